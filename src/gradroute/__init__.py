@@ -1,0 +1,13 @@
+"""gradroute: exact routed gradients for chained networks from one forward pass.
+
+Each loss trains only its own network; the engine passes, their ``inputs=``, retains and order come from the
+autograd graph. See :class:`Router`.
+"""
+
+from ._execute import GraphFreedError
+from ._group import Group
+from ._plan import Call, Plan
+from ._router import Router
+
+__all__ = ["Call", "GraphFreedError", "Group", "Plan", "Router"]
+__version__ = "0.1.0"

@@ -1,0 +1,94 @@
+"""Runs a program built by ``_plan.build``: one engine call per stage, cut gradients carried between calls."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from ._plan import Program
+from ._session import routed_backward
+
+_FREED = "backward through the graph a second time"
+
+
+class GraphFreedError(RuntimeError):
+    """A routed loss's autograd graph was already freed by an earlier backward."""
+
+
+def freed_message(what: str) -> str:
+    return (
+        f"{what}: its autograd graph was already freed by an earlier backward (a loss can be backpropagated "
+        "once; run a new forward for every backward, and do not call `.backward()` on a loss you route)"
+    )
+
+
+def _layout_like(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A gradient buffer ``p.grad`` may own: dense, with ``p``'s strides, like ``AccumulateGrad`` makes."""
+    if g.layout == p.layout and g.stride() == p.stride():
+        return g
+    return torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
+
+
+def execute(program: Program, *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
+    """Run ``program``.
+
+    Args:
+        program: what ``_plan.build`` returned.
+        accumulate: add into ``.grad`` (``Router.backward``); otherwise collect (``Router.grads``).
+
+    Returns:
+        With ``accumulate=False``: per route, ``id(param) -> gradient``. Otherwise empty dicts.
+    """
+    with routed_backward():
+        return _run(program, accumulate)
+
+
+def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
+    nodes = program.graph.nodes
+    pending: dict[tuple[int, int], torch.Tensor] = {}
+    collected: list[dict[int, torch.Tensor]] = [{} for _ in program.routes]
+    for st in program.stages:
+        outputs: list[torch.Tensor | GradientEdge] = []
+        seeds: list[torch.Tensor] = []
+        for t in st.losses:
+            outputs.append(t)
+            seeds.append(torch.ones_like(t))
+        for key in st.cuts_in:
+            g_in = pending.pop(key, None)
+            if g_in is not None:
+                outputs.append(GradientEdge(nodes[key[0]], key[1]))
+                seeds.append(g_in)
+        if not outputs:
+            continue
+        cuts = [GradientEdge(nodes[j], nr) for j, nr in st.cuts_out]
+        try:
+            if accumulate and not cuts:
+                torch.autograd.backward(outputs, seeds, retain_graph=st.retain, inputs=st.targets)
+                continue
+            res = torch.autograd.grad(
+                outputs, cuts + st.targets, grad_outputs=seeds, retain_graph=st.retain, allow_unused=True
+            )
+        except RuntimeError as e:
+            if _FREED in str(e):
+                raise GraphFreedError(freed_message("a routed loss")) from e
+            raise
+        for key, g in zip(st.cuts_out, res):
+            if g is not None:
+                prev = pending.get(key)
+                pending[key] = g if prev is None else prev + g
+        owned: set[int] = set()
+        for p, r, g in zip(st.targets, st.target_routes, res[len(cuts) :]):
+            if g is None:
+                continue
+            if accumulate:
+                if p.grad is None:
+                    # the engine may hand the same buffer to several outputs (e.g. a + b): never share it
+                    ptr = g.data_ptr()
+                    p.grad = (g.clone() if ptr in owned else _layout_like(g, p)).detach()
+                    owned.add(ptr)
+                else:
+                    p.grad.add_(g)
+            else:
+                prev = collected[r].get(id(p))
+                collected[r][id(p)] = g if prev is None else prev + g
+    return collected

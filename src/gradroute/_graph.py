@@ -1,0 +1,81 @@
+"""One walk over the autograd graph of the losses, into integer-indexed adjacency lists.
+
+The planner (``_plan.py``) works on this structure only; nothing here knows about routes or groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass(eq=False)
+class Graph:
+    """The part of an autograd graph reachable from a set of root edges.
+
+    Attributes:
+        nodes: every reachable node, indexed by id.
+        succ: ``succ[i]`` lists ``(j, input_nr)`` for each non-None ``next_functions`` entry of node ``i``:
+            gradient flows from node ``i`` into input slot ``input_nr`` of node ``j``.
+        topo: node ids in topological order (a node comes before every node it sends gradient to).
+        leaf: node id -> the leaf tensor of an ``AccumulateGrad`` node.
+        index: node -> id.
+    """
+
+    nodes: list[Node]
+    succ: list[list[tuple[int, int]]]
+    topo: list[int]
+    leaf: dict[int, torch.Tensor]
+    index: dict[Node, int]
+
+
+def root_edge(tensor: torch.Tensor) -> GradientEdge:
+    """The gradient edge a backward from ``tensor`` starts at (its ``grad_fn``, or its ``AccumulateGrad``)."""
+    return get_gradient_edge(tensor)
+
+
+def walk(roots: list[Node]) -> Graph:
+    """Collect the graph below ``roots`` with one breadth-first sweep, then sort it topologically (Kahn)."""
+    index: dict[Node, int] = {}
+    nodes: list[Node] = []
+    for r in roots:
+        if r not in index:
+            index[r] = len(nodes)
+            nodes.append(r)
+    succ: list[list[tuple[int, int]]] = []
+    i = 0
+    while i < len(nodes):
+        out: list[tuple[int, int]] = []
+        for fn, nr in nodes[i].next_functions:
+            if fn is None:
+                continue
+            j = index.get(fn)
+            if j is None:
+                j = len(nodes)
+                index[fn] = j
+                nodes.append(fn)
+            out.append((j, nr))
+        succ.append(out)
+        i += 1
+    indeg = [0] * len(nodes)
+    for out in succ:
+        for j, _ in out:
+            indeg[j] += 1
+    ready = [i for i in range(len(nodes)) if indeg[i] == 0]
+    topo: list[int] = []
+    while ready:
+        i = ready.pop()
+        topo.append(i)
+        for j, _ in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                ready.append(j)
+    leaf: dict[int, torch.Tensor] = {}
+    for i, out in enumerate(succ):
+        if not out:
+            var = getattr(nodes[i], "variable", None)
+            if isinstance(var, torch.Tensor):
+                leaf[i] = var
+    return Graph(nodes=nodes, succ=succ, topo=topo, leaf=leaf, index=index)

@@ -1,0 +1,102 @@
+"""Named parameter groups: what a routed loss may write gradients into, and how the group is stepped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+#: A hook that sees a group's unscaled routed gradients before clipping and stepping. It receives the group's
+#: parameters (those with a gradient) and may change their ``.grad`` in place.
+GradHook = Callable[[Sequence[torch.Tensor]], None]
+
+
+@dataclass(eq=False)
+class Group:
+    """A parameter group for :class:`gradroute.Router`, with the optional parts of its training step.
+
+    Args:
+        params: an ``nn.Module`` (its parameters with ``requires_grad=True``; frozen ones are left out, as
+            with LoRA), or an iterable of leaf tensors that require grad.
+        optimizer: the optimizer that owns exactly these parameters; needed for :meth:`Router.step`.
+        scheduler: an LR scheduler bound to ``optimizer``, stepped once per real optimizer step.
+        max_grad_norm: clip the group's unscaled gradients to this total 2-norm before stepping.
+        grad_hook: called with the group's parameters after their gradients are unscaled, before clipping.
+
+    Example:
+        >>> import torch, gradroute
+        >>> net = torch.nn.Linear(2, 2)
+        >>> g = gradroute.Group(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), max_grad_norm=1.0)
+        >>> len(g.params)
+        2
+    """
+
+    params: Any
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    max_grad_norm: float | None = None
+    grad_hook: GradHook | None = None
+    name: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        self.params = _resolve_params(self.params, self.name or "params")
+        if self.max_grad_norm is not None:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)):
+                raise TypeError(
+                    f"`max_grad_norm` must be a positive number or None, got {type(self.max_grad_norm).__name__}"
+                )
+            if not self.max_grad_norm > 0:
+                raise ValueError(f"`max_grad_norm` must be > 0, got {self.max_grad_norm!r}")
+        if self.grad_hook is not None and not callable(self.grad_hook):
+            raise TypeError(f"`grad_hook` must be callable, got {type(self.grad_hook).__name__}")
+
+
+GroupLike = Union[Group, nn.Module, Iterable[torch.Tensor]]
+
+
+def _resolve_params(spec: Any, name: str) -> tuple[torch.Tensor, ...]:
+    """The de-duplicated trainable leaf tensors of a group spec, or a clear error naming the group."""
+    if isinstance(spec, Group):
+        return spec.params  # type: ignore[no-any-return]
+    if isinstance(spec, nn.Module):
+        params = [p for p in spec.parameters() if p.requires_grad]
+        if not params:
+            total = sum(1 for _ in spec.parameters())
+            raise ValueError(
+                f"group `{name}` ({type(spec).__name__}) has no parameters that require grad "
+                f"({total} parameter(s), all frozen)"
+                if total
+                else f"group `{name}` ({type(spec).__name__}) has no parameters"
+            )
+        return tuple(dict.fromkeys(params))
+    if isinstance(spec, torch.Tensor):
+        raise TypeError(
+            f"group `{name}` must be an nn.Module or an iterable of parameters, got a single Tensor "
+            f"(wrap it in a list: [{name}])"
+        )
+    try:
+        items = list(spec)
+    except TypeError:
+        raise TypeError(
+            f"group `{name}` must be an nn.Module, a gradroute.Group or an iterable of parameters, "
+            f"got {type(spec).__name__}"
+        ) from None
+    if not items:
+        raise ValueError(f"group `{name}` has no parameters (got an empty {type(spec).__name__})")
+    for k, p in enumerate(items):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"group `{name}`: item {k} is a {type(p).__name__}, not a Tensor")
+        if not p.requires_grad:
+            raise ValueError(
+                f"group `{name}`: parameter {k} (shape {tuple(p.shape)}) does not require grad; "
+                "leave frozen parameters out of the group"
+            )
+        if not p.is_leaf:
+            raise ValueError(
+                f"group `{name}`: tensor {k} (shape {tuple(p.shape)}) is not a leaf (it was computed from "
+                "other tensors); groups hold parameters"
+            )
+    return tuple(dict.fromkeys(items))

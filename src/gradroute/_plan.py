@@ -1,0 +1,500 @@
+"""The planner: from the autograd graph of the routed losses to a list of engine calls.
+
+Terms used throughout:
+
+* **route** -- one group name with its loss tensors (summed) and its parameters.
+* **pass** -- one or more routes whose losses are backpropagated together. Routes are merged into one pass
+  when that is exact: no loss of the pass reaches a parameter that only another route of the pass owns.
+* **need** -- the autograd nodes a pass must execute: on a path from one of its losses to one of its
+  parameters. This is exactly the set the engine executes for ``backward(inputs=params)``.
+* **last use** -- passes run in an order; a node's last use is the last pass that needs it. Executing a node
+  without ``retain_graph`` frees its saved tensors, so every node must be executed with ``retain_graph=False``
+  exactly at its last use, and with ``retain_graph=True`` before.
+* **stage** -- a pass is split at the edges where the label (retain or final) changes. Each stage is one engine
+  call; the gradients flowing across a cut are captured as ``GradientEdge`` inputs of one call and fed as
+  ``GradientEdge`` outputs of the next.
+
+Nothing here touches ``.grad``: ``_execute.py`` runs the program built here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ._graph import Graph, root_edge, walk
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    """One routed loss: a group name, its loss tensors (summed), and the group's parameters."""
+
+    name: str
+    losses: tuple[torch.Tensor, ...]
+    params: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One engine call of a :class:`Plan`.
+
+    Attributes:
+        step: position in the plan, from 1.
+        groups: the groups of the pass this call belongs to.
+        retain: whether the call runs with ``retain_graph=True`` (its nodes are needed by a later pass).
+        losses: how many loss tensors start here.
+        cuts_in: how many gradient edges, cut by earlier calls, start here.
+        cuts_out: how many gradient edges are cut here and carried to a later call.
+        params: how many parameters receive gradient in this call.
+        nodes: how many autograd nodes this call executes.
+    """
+
+    step: int
+    groups: tuple[str, ...]
+    retain: bool
+    losses: int
+    cuts_in: int
+    cuts_out: int
+    params: int
+    nodes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :meth:`gradroute.Router.backward` does for a given set of losses; ``str(plan)`` is a table.
+
+    A plan holds no reference to the autograd graph it was made from.
+
+    Attributes:
+        groups: the routed group names, in call order.
+        reach: ``reach[loss][group]`` is how many of ``group``'s parameters the loss routed to ``loss``
+            reaches in the graph.
+        leaks: ``leaks[loss]`` names the groups whose parameters (not shared with ``loss``'s own group) the
+            loss reaches: a plain backward of the summed losses would write its gradient there.
+        passes: the routes backpropagated together, in execution order.
+        calls: the engine calls, in execution order.
+        kept_nodes: nodes whose last execution had to retain their saved tensors (0 unless the graph has a
+            shape the cut cannot express; they are freed when the caller drops the losses).
+        graph_nodes: autograd nodes below the losses.
+    """
+
+    groups: tuple[str, ...]
+    reach: Mapping[str, Mapping[str, int]]
+    leaks: Mapping[str, tuple[str, ...]]
+    passes: tuple[tuple[str, ...], ...]
+    calls: tuple[Call, ...]
+    kept_nodes: int
+    graph_nodes: int
+
+    def __str__(self) -> str:
+        names = self.groups
+        width = max([len(n) for n in names] + [5])
+        lines = [
+            f"gradroute plan: {len(names)} routed loss(es), {len(self.passes)} pass(es), "
+            f"{len(self.calls)} engine call(s), {self.graph_nodes} autograd nodes, "
+            f"{self.kept_nodes} kept after backward",
+            "",
+            "reach: parameters of each group (columns) that each routed loss (rows) reaches",
+            "  " + "loss".ljust(width) + "  " + "  ".join(g.rjust(max(len(g), 9)) for g in names),
+        ]
+        for loss in names:
+            cells = []
+            for g in names:
+                n = self.reach[loss].get(g, 0)
+                text = "-" if n == 0 else str(n)
+                if g == loss:
+                    text += " (own)"
+                elif g in self.leaks.get(loss, ()):
+                    text += " LEAK"
+                cells.append(text.rjust(max(len(g), 9)))
+            lines.append("  " + loss.ljust(width) + "  " + "  ".join(cells))
+        leaky = [f"{loss} -> {', '.join(gs)}" for loss, gs in self.leaks.items() if gs]
+        if leaky:
+            lines.append(
+                "  a plain backward of the summed losses would leak: " + "; ".join(leaky) + " (routing prevents it)"
+            )
+        else:
+            lines.append("  no loss reaches another group's parameters: a summed backward would be exact")
+        lines.append("")
+        lines.append("passes (in order): " + "  then  ".join("+".join(p) for p in self.passes))
+        lines.append("")
+        header = ("#", "pass", "retain", "starts from", "cuts out", "params", "nodes")
+        rows = []
+        for c in self.calls:
+            start = []
+            if c.losses:
+                start.append(f"{c.losses} loss(es)")
+            if c.cuts_in:
+                start.append(f"{c.cuts_in} cut edge(s)")
+            rows.append(
+                (
+                    str(c.step),
+                    "+".join(c.groups),
+                    "yes" if c.retain else "no",
+                    " + ".join(start),
+                    str(c.cuts_out) if c.cuts_out else "-",
+                    str(c.params) if c.params else "-",
+                    str(c.nodes),
+                )
+            )
+        widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(header)]
+        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)))
+        for r in rows:
+            lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)))
+        lines.append("")
+        lines.append(
+            "retain=yes: the call's nodes are needed again by a later pass; each node's last call frees it."
+        )
+        return "\n".join(lines)
+
+
+@dataclass(eq=False)
+class Stage:
+    """One engine call, with what it needs from the graph (internal; holds graph references)."""
+
+    pass_index: int
+    retain: bool
+    losses: list[torch.Tensor]
+    cuts_in: list[tuple[int, int]]
+    cuts_out: list[tuple[int, int]]
+    targets: list[torch.Tensor]
+    # for grads(): which route each target belongs to, in this pass
+    target_routes: list[int]
+    nodes: int
+
+
+@dataclass(eq=False)
+class Program:
+    """A plan plus the graph references needed to execute it. Dropped after execution."""
+
+    plan: Plan
+    graph: Graph
+    routes: Sequence[Route]
+    stages: list[Stage] = field(default_factory=list)
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    k = 0
+    while mask:
+        if mask & 1:
+            out.append(k)
+        mask >>= 1
+        k += 1
+    return out
+
+
+def build(routes: Sequence[Route], *, merge_shared: bool = True) -> tuple[Program, list[str]]:
+    """Analyse the graph of ``routes`` and build the program.
+
+    Args:
+        routes: the routes, in the caller's order.
+        merge_shared: whether routes whose groups share parameters may be merged into one pass (exact for
+            ``backward``, where shared parameters receive the sum; not for ``grads``, which reports each
+            route's gradient separately).
+
+    Returns:
+        The program, and the names of routes whose loss reaches none of their group's parameters.
+    """
+    n_routes = len(routes)
+    root_edges = [[root_edge(t) for t in r.losses] for r in routes]
+    roots = [e.node for edges in root_edges for e in edges]
+    g = walk(roots)
+    n = len(g.nodes)
+    succ, topo, leaf = g.succ, g.topo, g.leaf
+
+    # route membership of every parameter, by identity
+    owner: dict[int, int] = {}
+    for r, route in enumerate(routes):
+        for p in route.params:
+            owner[id(p)] = owner.get(id(p), 0) | (1 << r)
+    own = {i: owner.get(id(v), 0) for i, v in leaf.items()}
+
+    # which routes' losses reach each node
+    fwd = [0] * n
+    for r, edges in enumerate(root_edges):
+        for e in edges:
+            fwd[g.index[e.node]] |= 1 << r
+    for i in topo:
+        f = fwd[i]
+        if f:
+            for j, _ in succ[i]:
+                fwd[j] |= f
+
+    # reach table, leaks, merge compatibility
+    reach = [[0] * n_routes for _ in range(n_routes)]
+    leak = [0] * n_routes
+    incompatible = [0] * n_routes
+    for i, m_own in own.items():
+        f = fwd[i]
+        if not f or not m_own:
+            continue
+        for r in _bits(f):
+            for q in _bits(m_own):
+                reach[r][q] += 1
+        bad = f & ~m_own
+        if bad:
+            for r in _bits(bad):
+                incompatible[r] |= m_own
+                leak[r] |= m_own
+            for q in _bits(m_own):
+                incompatible[q] |= bad
+    if not merge_shared:
+        for m in owner.values():
+            if m & (m - 1):
+                for r in _bits(m):
+                    incompatible[r] |= m & ~(1 << r)
+    unreached = [routes[r].name for r in range(n_routes) if reach[r][r] == 0]
+
+    # greedy merge of compatible routes into passes (routes reaching nothing of their own are dropped)
+    pass_routes: list[int] = []  # route mask per pass
+    for r in range(n_routes):
+        if reach[r][r] == 0:
+            continue
+        for k, pm in enumerate(pass_routes):
+            if not (incompatible[r] & pm):
+                pass_routes[k] = pm | (1 << r)
+                break
+        else:
+            pass_routes.append(1 << r)
+    n_pass = len(pass_routes)
+    pass_of = {}
+    for k, pm in enumerate(pass_routes):
+        for r in _bits(pm):
+            pass_of[r] = k
+    memo: dict[int, int] = {0: 0}
+
+    def to_pass(mask: int) -> int:
+        out = memo.get(mask)
+        if out is None:
+            out = 0
+            for r in _bits(mask):
+                if r in pass_of:
+                    out |= 1 << pass_of[r]
+            memo[mask] = out
+        return out
+
+    # targets of each pass: leaves that a route of the pass owns and reaches
+    target = {i: to_pass(m & fwd[i]) for i, m in own.items() if m & fwd[i]}
+    back = [0] * n
+    for i, t in target.items():
+        back[i] = t
+    for i in reversed(topo):
+        if i in leaf:
+            continue
+        b = 0
+        for j, _ in succ[i]:
+            b |= back[j]
+        back[i] = b
+    need = [0] * n
+    for i in range(n):
+        if i not in leaf:
+            need[i] = to_pass(fwd[i]) & back[i]
+
+    # order: a pass whose weight-gradient nodes another pass also needs goes after that pass, so that the
+    # weight gradients are computed while the shared activations are being freed, not while they are retained
+    before = [0] * n_pass
+    for i in range(n):
+        nd = need[i]
+        if not nd:
+            continue
+        w = 0
+        for j, _ in succ[i]:
+            w |= target.get(j, 0)
+        w &= nd
+        for k in _bits(w):
+            before[k] |= nd & ~(1 << k)
+    order: list[int] = []
+    placed = 0
+    while len(order) < n_pass:
+        ready = [k for k in range(n_pass) if not (placed >> k) & 1 and not (before[k] & ~placed)]
+        if not ready:  # a cycle (parameters shared across passes): take the least constrained
+            ready = [
+                min(
+                    (k for k in range(n_pass) if not (placed >> k) & 1),
+                    key=lambda k: bin(before[k] & ~placed).count("1"),
+                )
+            ]
+        k = ready[0]
+        order.append(k)
+        placed |= 1 << k
+    pos = {k: p for p, k in enumerate(order)}
+
+    # the last use of every node
+    last = [-1] * n
+    for i in range(n):
+        nd = need[i]
+        if nd:
+            last[i] = max(_bits(nd), key=lambda k: pos[k])
+
+    stages: list[Stage] = []
+    calls: list[Call] = []
+    kept = 0
+    for k in order:
+        st, k_kept = _stage_pass(g, k, routes, root_edges, pass_routes[k], need, last, target)
+        kept += k_kept
+        stages.extend(st)
+
+    groups_of_pass = [tuple(routes[r].name for r in _bits(pass_routes[k])) for k in range(n_pass)]
+    for s in stages:
+        calls.append(
+            Call(
+                step=len(calls) + 1,
+                groups=groups_of_pass[s.pass_index],
+                retain=s.retain,
+                losses=len(s.losses),
+                cuts_in=len(s.cuts_in),
+                cuts_out=len(s.cuts_out),
+                params=len(s.targets),
+                nodes=s.nodes,
+            )
+        )
+    names = tuple(r.name for r in routes)
+    plan = Plan(
+        groups=names,
+        reach={names[r]: {names[q]: reach[r][q] for q in range(n_routes)} for r in range(n_routes)},
+        leaks={names[r]: tuple(names[q] for q in _bits(leak[r]) if q != r) for r in range(n_routes)},
+        passes=tuple(groups_of_pass[k] for k in order),
+        calls=tuple(calls),
+        kept_nodes=kept,
+        graph_nodes=n,
+    )
+    return Program(plan=plan, graph=g, routes=routes, stages=stages), unreached
+
+
+def _stage_pass(
+    g: Graph,
+    k: int,
+    routes: Sequence[Route],
+    root_edges: list[list],
+    route_mask: int,
+    need: list[int],
+    last: list[int],
+    target: dict[int, int],
+) -> tuple[list[Stage], int]:
+    """Split pass ``k`` into stages of one label each; fall back to one retaining call if the cut is not clean.
+
+    Returns the stages and the number of nodes whose last execution retains.
+    """
+    succ, topo, leaf = g.succ, g.topo, g.leaf
+    bit = 1 << k
+    # stage numbers: even = final (no later pass needs the node), odd = retained
+    stage: dict[int, int] = {}
+    cand: dict[int, int] = {}
+    any_retained = False
+    for i in topo:
+        if not need[i] & bit:
+            continue
+        final = last[i] == k
+        any_retained |= not final
+        base = cand.get(i, 0)
+        s = base if (base % 2 == 0) == final else base + 1
+        stage[i] = s
+        for j, _ in succ[i]:
+            if need[j] & bit and cand.get(j, -1) < s:
+                cand[j] = s
+
+    pass_route_ids = _bits(route_mask)
+    losses_by_stage: dict[int, list[torch.Tensor]] = {}
+    leaf_root_targets: list[int] = []
+    for r in pass_route_ids:
+        for t, e in zip(routes[r].losses, root_edges[r]):
+            i = g.index[e.node]
+            if i in leaf:  # the loss is a leaf itself: it is its own target
+                losses_by_stage.setdefault(0, []).append(t)
+                leaf_root_targets.append(i)
+            else:
+                losses_by_stage.setdefault(stage[i], []).append(t)
+
+    route_of_param = {id(p): r for r in reversed(pass_route_ids) for p in routes[r].params}
+
+    def owner_route(i: int) -> int:
+        return route_of_param[id(leaf[i])]
+
+    if not any_retained or not _clean_cut(g, k, stage, need, target):
+        kept = sum(1 for i in stage if last[i] == k) if any_retained else 0
+        tgt = sorted({j for i in stage for j, _ in succ[i] if target.get(j, 0) & bit} | set(leaf_root_targets))
+        return [
+            Stage(
+                pass_index=k,
+                retain=any_retained,
+                losses=[t for r in pass_route_ids for t in routes[r].losses],
+                cuts_in=[],
+                cuts_out=[],
+                targets=[leaf[j] for j in tgt],
+                target_routes=[owner_route(j) for j in tgt],
+                nodes=len(stage),
+            )
+        ], kept
+
+    n_stages = max(stage.values()) + 1
+    cuts_out: list[dict[tuple[int, int], None]] = [{} for _ in range(n_stages)]
+    cuts_in: list[dict[tuple[int, int], None]] = [{} for _ in range(n_stages)]
+    targets: list[set[int]] = [set() for _ in range(n_stages)]
+    counts = [0] * n_stages
+    for j in leaf_root_targets:
+        targets[0].add(j)
+    for i, s in stage.items():
+        counts[s] += 1
+        for j, nr in succ[i]:
+            if target.get(j, 0) & bit:
+                targets[s].add(j)
+            elif need[j] & bit and stage[j] > s:
+                key = (j, nr)
+                cuts_out[s][key] = None
+                cuts_in[stage[j]][key] = None
+    out = []
+    for s in range(n_stages):
+        if not counts[s] and not losses_by_stage.get(s) and not targets[s]:
+            continue
+        tgt = sorted(targets[s])
+        out.append(
+            Stage(
+                pass_index=k,
+                retain=s % 2 == 1,
+                losses=losses_by_stage.get(s, []),
+                cuts_in=list(cuts_in[s]),
+                cuts_out=list(cuts_out[s]),
+                targets=[leaf[j] for j in tgt],
+                target_routes=[owner_route(j) for j in tgt],
+                nodes=counts[s],
+            )
+        )
+    return out, 0
+
+
+def _clean_cut(g: Graph, k: int, stage: dict[int, int], need: list[int], target: dict[int, int]) -> bool:
+    """Whether every stage's engine call executes exactly that stage's nodes.
+
+    The engine executes every node on a path from a call's starting edges to its captured edges and
+    targets. A call for stage ``s`` would wrongly execute a later-stage node ``p`` if ``p`` is reachable from
+    stage ``s`` and sends gradient into a node that stage ``s`` captures or accumulates.
+    """
+    succ = g.succ
+    bit = 1 << k
+    reach_from: dict[int, int] = {}  # node -> mask of stages that reach it
+    sink_of: dict[int, int] = {}  # node -> mask of stages that capture into it or accumulate it
+    for i in g.topo:
+        s = stage.get(i)
+        if s is None:
+            continue
+        m = reach_from.get(i, 0) | (1 << s)
+        for j, _ in succ[i]:
+            if target.get(j, 0) & bit:
+                sink_of[j] = sink_of.get(j, 0) | (1 << s)
+                reach_from[j] = reach_from.get(j, 0) | m
+            elif j in stage:
+                reach_from[j] = reach_from.get(j, 0) | m
+                if stage[j] > s:
+                    sink_of[j] = sink_of.get(j, 0) | (1 << s)
+    for p, s_p in stage.items():
+        r = reach_from.get(p, 0) & ((1 << s_p) - 1)  # earlier stages that reach p
+        if not r:
+            continue
+        for j, _ in succ[p]:
+            # an earlier stage that reaches p also captures or accumulates j, which p feeds from later
+            if sink_of.get(j, 0) & r:
+                return False
+    return True

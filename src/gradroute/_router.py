@@ -1,0 +1,256 @@
+"""`Router`: named parameter groups, and exact routed gradients from one forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._execute import GraphFreedError, execute, freed_message
+from ._group import Group, GroupLike
+from ._plan import Plan, Program, Route, build
+
+LossLike = torch.Tensor | Sequence[torch.Tensor]
+
+
+class Router:
+    """Routes each loss to its own parameter group: exact gradients from one forward, without ``retain_graph``.
+
+    After ``router.backward(a=loss_a, b=loss_b)``, every parameter ``p`` of group ``a`` has
+    ``p.grad += d loss_a / d p``, exactly what a separate forward and backward of ``loss_a`` alone would give.
+    Parameters the loss does not reach, and groups not named in the call, are untouched. A parameter in
+    several groups receives the sum of their losses' gradients.
+
+    The plan (which engine passes, with which ``inputs=``, which retain, in which order) is made from the
+    autograd graph of the losses on every call; see :meth:`plan`.
+
+    Args:
+        groups: ``name -> group`` (an ``nn.Module``, an iterable of parameters or a :class:`Group`). Names may
+            also be given as keyword arguments.
+        scaler: a ``torch.amp.GradScaler`` shared by all groups (see :meth:`step`).
+        accumulate: micro-batches per optimizer step (see :meth:`step`).
+        allow_unreached: by default a loss that reaches none of its group's parameters is an error (almost
+            always a stray ``.detach()``). ``True`` allows it for every group, or give the group names.
+        **named_groups: groups by keyword.
+
+    Example:
+        >>> import torch, gradroute
+        >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        >>> router = gradroute.Router(tenc=tenc, unet=unet)
+        >>> x, target, mask = torch.randn(8, 4), torch.randn(8, 4), torch.rand(8, 4) > 0.5
+        >>> loss = torch.nn.functional.mse_loss(unet(tenc(x)), target, reduction="none")
+        >>> router.backward(tenc=loss.mean(), unet=(loss * mask).mean())
+        >>> tenc.weight.grad.shape, unet.weight.grad.shape
+        (torch.Size([4, 4]), torch.Size([4, 4]))
+    """
+
+    def __init__(
+        self,
+        groups: Mapping[str, GroupLike] | None = None,
+        /,
+        *,
+        scaler: Any = None,
+        accumulate: int = 1,
+        allow_unreached: bool | Iterable[str] = False,
+        **named_groups: GroupLike,
+    ) -> None:
+        specs: dict[str, GroupLike] = {}
+        if groups is not None:
+            if not isinstance(groups, Mapping):
+                raise TypeError(f"`groups` must be a mapping of name -> group, got {type(groups).__name__}")
+            specs.update(groups)
+        for name, spec in named_groups.items():
+            if name in specs:
+                raise ValueError(f"group `{name}` is given twice (in `groups` and as a keyword)")
+            specs[name] = spec
+        if not specs:
+            raise ValueError("`Router` needs at least one group, e.g. Router(tenc=text_encoder, unet=unet)")
+        self._groups: dict[str, Group] = {}
+        for name, spec in specs.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"group names must be non-empty strings, got {name!r}")
+            if isinstance(spec, Group):
+                spec.name = name
+                self._groups[name] = spec
+            else:
+                self._groups[name] = Group(spec, name=name)
+        if isinstance(allow_unreached, bool):
+            self._allow_unreached = set(self._groups) if allow_unreached else set()
+        else:
+            names = [allow_unreached] if isinstance(allow_unreached, str) else list(allow_unreached)
+            for n in names:
+                if n not in self._groups:
+                    raise ValueError(
+                        f"`allow_unreached` names unknown group `{n}`; groups are: {', '.join(self._groups)}"
+                    )
+            self._allow_unreached = set(names)
+        from ._step import Stepper
+
+        self._stepper = Stepper(self._groups, scaler=scaler, accumulate=accumulate)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def groups(self) -> Mapping[str, Group]:
+        """The groups, by name."""
+        return dict(self._groups)
+
+    def backward(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> None:
+        """Accumulate each loss's gradient into its own group's ``.grad`` (exact, one forward, no retain).
+
+        Args:
+            losses: ``group name -> loss``; a loss is a scalar tensor or a list of scalar tensors (summed).
+            **named_losses: the same, by keyword.
+
+        With a ``scaler`` or ``accumulate > 1`` each loss is scaled (and divided by ``accumulate``) first,
+        and :meth:`step` is to be called after each ``backward``.
+
+        Raises:
+            ValueError, TypeError: a bad loss or group name; raised before any ``.grad`` is touched.
+        """
+        routes = self._routes(losses, named_losses, "backward")
+        routes = self._stepper.before_backward(routes)
+        program = self._program(routes, merge_shared=True)
+        execute(program, accumulate=True)
+        del program
+        self._stepper.after_backward(routes)
+
+    def grads(
+        self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike
+    ) -> dict[str, tuple[torch.Tensor | None, ...]]:
+        """The routed gradients, returned instead of accumulated; ``.grad`` is untouched.
+
+        Returns:
+            ``group name -> tuple`` of ``d loss / d p`` for the group's parameters in order (``None`` for a
+            parameter the loss does not reach). No scaling is applied.
+        """
+        routes = self._routes(losses, named_losses, "grads")
+        program = self._program(routes, merge_shared=False)
+        collected = execute(program, accumulate=False)
+        del program
+        return {
+            r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)
+        }
+
+    def plan(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> Plan:
+        """What :meth:`backward` would do with these losses; nothing is run. ``print(plan)`` shows a table."""
+        routes = self._routes(losses, named_losses, "plan")
+        return self._program(routes, merge_shared=True).plan
+
+    def step(self) -> dict[str, Any]:
+        """Step every group's optimizer (and scheduler) once per ``accumulate`` backward calls.
+
+        See :class:`gradroute.StepStats`-style dict returned by the stepper: per group ``loss``, ``grad_norm``,
+        ``lr``, ``skipped``.
+        """
+        return self._stepper.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or set to None) the gradients of every group's parameters."""
+        for g in self._groups.values():
+            for p in g.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_()
+                    p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizers, schedulers, scaler and accumulation counter, for resuming."""
+        return self._stepper.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._stepper.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        parts = [f"{n}={len(g.params)} params" for n, g in self._groups.items()]
+        return f"Router({', '.join(parts)})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _routes(
+        self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str
+    ) -> list[Route]:
+        given: dict[str, LossLike] = {}
+        if losses is not None:
+            if not isinstance(losses, Mapping):
+                raise TypeError(
+                    f"`losses` must be a mapping of group name -> loss, got {type(losses).__name__} "
+                    f"(call {what}(name=loss, ...) or {what}({{'name': loss}}))"
+                )
+            given.update(losses)
+        for name, value in named.items():
+            if name in given:
+                raise ValueError(f"loss for group `{name}` is given twice (in `losses` and as a keyword)")
+            given[name] = value
+        if not given:
+            raise ValueError(f"`{what}` needs at least one loss, e.g. {what}(tenc=loss_tenc)")
+        routes = []
+        for name, value in given.items():
+            group = self._groups.get(name)
+            if group is None:
+                raise ValueError(f"unknown group `{name}`; groups are: {', '.join(self._groups)}")
+            if isinstance(value, torch.Tensor):
+                tensors: tuple[torch.Tensor, ...] = (value,)
+            elif isinstance(value, (list, tuple)):
+                tensors = tuple(value)
+                if not tensors:
+                    raise ValueError(f"loss for group `{name}` is an empty {type(value).__name__}")
+            else:
+                raise TypeError(
+                    f"loss for group `{name}` must be a scalar Tensor or a list of them, got {type(value).__name__}"
+                )
+            for k, t in enumerate(tensors):
+                label = f"loss for group `{name}`" + (f" (item {k})" if len(tensors) > 1 else "")
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{label} must be a Tensor, got {type(t).__name__}")
+                if t.numel() != 1:
+                    raise ValueError(
+                        f"{label} must be a scalar, got shape {tuple(t.shape)} (reduce it, e.g. .mean())"
+                    )
+                if not t.requires_grad:
+                    raise ValueError(
+                        f"{label} does not require grad: it was computed without autograd "
+                        "(under torch.no_grad(), from detached tensors, or from frozen parameters)"
+                    )
+                _check_not_freed(t, label)
+            routes.append(Route(name=name, losses=tensors, params=group.params))
+        return routes
+
+    def _program(self, routes: list[Route], *, merge_shared: bool) -> Program:
+        program, unreached = build(routes, merge_shared=merge_shared)
+        bad = [n for n in unreached if n not in self._allow_unreached]
+        if bad:
+            raise ValueError(
+                f"loss for group `{bad[0]}` reaches none of that group's {len(self._groups[bad[0]].params)} "
+                "parameters (a stray .detach() or torch.no_grad()?); pass "
+                f"Router(..., allow_unreached=[{bad[0]!r}]) if that is intended"
+            )
+        return program
+
+
+def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:
+    """Raise a plain error if the graph below ``t`` was freed: probe the saved tensors of the first nodes."""
+    fn = t.grad_fn
+    if fn is None:
+        return
+    frontier = [fn]
+    seen = {fn}
+    checked = 0
+    while frontier and checked < probe:
+        node = frontier.pop(0)
+        checked += 1
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                try:
+                    getattr(node, attr)
+                except RuntimeError as e:
+                    if "second time" in str(e) or "freed" in str(e):
+                        raise GraphFreedError(freed_message(label)) from None
+                    raise
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)

@@ -1,0 +1,39 @@
+"""Which routed backward is running now, for code that hooks into the engine (``gradroute.checkpoint``).
+
+A plain module global, not a ``contextvars.ContextVar``: autograd runs CUDA backward work on its own device
+threads, which do not inherit the caller's context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class Session:
+    """One ``Router.backward``/``Router.grads`` call. ``on_exit`` callbacks run when the call returns."""
+
+    def __init__(self) -> None:
+        self.on_exit: list = []
+
+
+_current: Session | None = None
+
+
+def current() -> Session | None:
+    """The routed backward in progress, or None."""
+    return _current
+
+
+@contextmanager
+def routed_backward() -> Iterator[Session]:
+    global _current
+    outer = _current
+    session = Session()
+    _current = session
+    try:
+        yield session
+    finally:
+        _current = outer
+        for fn in session.on_exit:
+            fn()

@@ -380,21 +380,21 @@ def _stage_pass(
     """
     succ, topo, leaf = g.succ, g.topo, g.leaf
     bit = 1 << k
-    # stage numbers: even = final (no later pass needs the node), odd = retained
+    members = [i for i in topo if need[i] & bit]
+    final = {i: last[i] == k for i in members}
+    any_retained = not all(final.values())
     stage: dict[int, int] = {}
-    cand: dict[int, int] = {}
-    any_retained = False
-    for i in topo:
-        if not need[i] & bit:
-            continue
-        final = last[i] == k
-        any_retained |= not final
-        base = cand.get(i, 0)
-        s = base if (base % 2 == 0) == final else base + 1
-        stage[i] = s
-        for j, _ in succ[i]:
-            if need[j] & bit and cand.get(j, -1) < s:
-                cand[j] = s
+    if any_retained:
+        # Cut as late as possible first (deferred parts stay together, like a hand cut at the frontier),
+        # else as early as possible; if neither gives clean engine calls, retain the whole pass.
+        for late in (True, False):
+            stage = _number_stages(g, members, final, bit, need, late=late)
+            if _clean_cut(g, k, stage, need, target):
+                break
+        else:
+            stage = {}
+    if not stage:
+        stage = {i: 0 for i in members}
 
     pass_route_ids = _bits(route_mask)
     losses_by_stage: dict[int, list[torch.Tensor]] = {}
@@ -413,7 +413,7 @@ def _stage_pass(
     def owner_route(i: int) -> int:
         return route_of_param[id(leaf[i])]
 
-    if not any_retained or not _clean_cut(g, k, stage, need, target):
+    if not any_retained or max(stage.values(), default=0) == 0:
         kept = sum(1 for i in stage if last[i] == k) if any_retained else 0
         tgt = sorted({j for i in stage for j, _ in succ[i] if target.get(j, 0) & bit} | set(leaf_root_targets))
         return [
@@ -463,6 +463,31 @@ def _stage_pass(
             )
         )
     return out, 0
+
+
+def _number_stages(
+    g: Graph, members: list[int], final: dict[int, bool], bit: int, need: list[int], *, late: bool
+) -> dict[int, int]:
+    """Stage numbers for one pass: monotone along gradient flow, even = final, odd = retained."""
+    succ = g.succ
+    stage: dict[int, int] = {}
+    if not late:
+        cand: dict[int, int] = {}
+        for i in members:
+            base = cand.get(i, 0)
+            s = base if (base % 2 == 0) == final[i] else base + 1
+            stage[i] = s
+            for j, _ in succ[i]:
+                if need[j] & bit and cand.get(j, -1) < s:
+                    cand[j] = s
+        return stage
+    top = 2 * len(members) + 2
+    for i in reversed(members):
+        base = min((stage[j] for j, _ in succ[i] if need[j] & bit), default=top)
+        stage[i] = base if (base % 2 == 0) == final[i] else base - 1
+    low = min(stage.values())
+    low -= low % 2
+    return {i: s - low for i, s in stage.items()}
 
 
 def _clean_cut(g: Graph, k: int, stage: dict[int, int], need: list[int], target: dict[int, int]) -> bool:

@@ -16,7 +16,9 @@ def _total(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def reference_grads(
-    forward: Callable[[], Losses], groups: Mapping[str, Sequence[torch.Tensor]], names: Sequence[str] | None = None
+    forward: Callable[[], Losses],
+    groups: Mapping[str, Sequence[torch.Tensor]],
+    names: Sequence[str] | None = None,
 ) -> dict[int, torch.Tensor]:
     """``id(p) -> sum over routed groups g containing p of d loss_g / d p``, each from its own fresh forward.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -260,7 +261,7 @@ def test_activation_checkpointing_non_reentrant(where):
 class _SaveProbe(torch.autograd.Function):
     """y = x * x; saves a private copy of x and records a weakref to it."""
 
-    refs: list = []
+    refs: ClassVar[list] = []
 
     @staticmethod
     def forward(ctx, x):

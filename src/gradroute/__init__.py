@@ -4,10 +4,23 @@ Each loss trains only its own network; the engine passes, their ``inputs=``, ret
 autograd graph. See :class:`Router`.
 """
 
+from . import schedules
+from ._checkpoint import checkpoint
 from ._execute import GraphFreedError
 from ._group import Group
 from ._plan import Call, Plan
 from ._router import Router
+from ._step import GroupStats, StepStats
 
-__all__ = ["Call", "GraphFreedError", "Group", "Plan", "Router"]
+__all__ = [
+    "Call",
+    "GraphFreedError",
+    "Group",
+    "GroupStats",
+    "Plan",
+    "Router",
+    "StepStats",
+    "checkpoint",
+    "schedules",
+]
 __version__ = "0.1.0"

@@ -50,7 +50,8 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
     for st in program.stages:
         outputs: list[torch.Tensor | GradientEdge] = []
         seeds: list[torch.Tensor] = []
-        for t in st.losses:
+        for r, k in st.losses:
+            t = program.routes[r].losses[k]
             outputs.append(t)
             seeds.append(torch.ones_like(t))
         for key in st.cuts_in:

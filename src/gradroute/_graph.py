@@ -22,6 +22,8 @@ class Graph:
         topo: node ids in topological order (a node comes before every node it sends gradient to).
         leaf: node id -> the leaf tensor of an ``AccumulateGrad`` node.
         index: node -> id.
+        signature: the graph's structure as a flat list (node classes, edges, which leaves are the given
+            parameters, by identity): two graphs with equal signatures get the same plan.
     """
 
     nodes: list[Node]
@@ -29,6 +31,7 @@ class Graph:
     topo: list[int]
     leaf: dict[int, torch.Tensor]
     index: dict[Node, int]
+    signature: list
 
 
 def root_edge(tensor: torch.Tensor) -> GradientEdge:
@@ -36,8 +39,11 @@ def root_edge(tensor: torch.Tensor) -> GradientEdge:
     return get_gradient_edge(tensor)
 
 
-def walk(roots: list[Node]) -> Graph:
-    """Collect the graph below ``roots`` with one breadth-first sweep, then sort it topologically (Kahn)."""
+def walk(roots: list[Node], params: dict[int, int]) -> Graph:
+    """Collect the graph below ``roots`` with one breadth-first sweep, then sort it topologically (Kahn).
+
+    ``params`` maps ``id(parameter)`` of the routed groups' parameters to a mark recorded in the signature.
+    """
     index: dict[Node, int] = {}
     nodes: list[Node] = []
     for r in roots:
@@ -45,10 +51,13 @@ def walk(roots: list[Node]) -> Graph:
             index[r] = len(nodes)
             nodes.append(r)
     succ: list[list[tuple[int, int]]] = []
+    sig: list = [len(roots), *(index[r] for r in roots)]
     i = 0
     while i < len(nodes):
+        node = nodes[i]
+        sig.append(type(node))
         out: list[tuple[int, int]] = []
-        for fn, nr in nodes[i].next_functions:
+        for fn, nr in node.next_functions:
             if fn is None:
                 continue
             j = index.get(fn)
@@ -57,6 +66,8 @@ def walk(roots: list[Node]) -> Graph:
                 index[fn] = j
                 nodes.append(fn)
             out.append((j, nr))
+            sig.append(j)
+            sig.append(nr)
         succ.append(out)
         i += 1
     indeg = [0] * len(nodes)
@@ -78,4 +89,6 @@ def walk(roots: list[Node]) -> Graph:
             var = getattr(nodes[i], "variable", None)
             if isinstance(var, torch.Tensor):
                 leaf[i] = var
-    return Graph(nodes=nodes, succ=succ, topo=topo, leaf=leaf, index=index)
+                sig.append(i)
+                sig.append(params.get(id(var), 0))
+    return Graph(nodes=nodes, succ=succ, topo=topo, leaf=leaf, index=index, signature=sig)

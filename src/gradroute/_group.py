@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,8 +40,14 @@ class Group:
     max_grad_norm: float | None = None
     grad_hook: GradHook | None = None
     name: str = field(default="", repr=False)
+    #: ``id(param) -> name`` from ``named_parameters()`` when the group was given as a module (for messages).
+    param_names: dict[int, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.params, nn.Module):
+            self.param_names = {id(p): n for n, p in self.params.named_parameters()}
+        elif isinstance(self.params, Group):
+            self.param_names = dict(self.params.param_names)
         self.params = _resolve_params(self.params, self.name or "params")
         if self.max_grad_norm is not None:
             if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)):
@@ -54,7 +60,7 @@ class Group:
             raise TypeError(f"`grad_hook` must be callable, got {type(self.grad_hook).__name__}")
 
 
-GroupLike = Union[Group, nn.Module, Iterable[torch.Tensor]]
+GroupLike = Group | nn.Module | Iterable[torch.Tensor]
 
 
 def _resolve_params(spec: Any, name: str) -> tuple[torch.Tensor, ...]:
@@ -100,3 +106,62 @@ def _resolve_params(spec: Any, name: str) -> tuple[torch.Tensor, ...]:
                 "other tensors); groups hold parameters"
             )
     return tuple(dict.fromkeys(items))
+
+
+# ---------------------------------------------------------------------- step configuration checks
+
+
+def describe_param(p: torch.Tensor, groups: Mapping[str, Group]) -> str:
+    """``tenc.fc.weight`` (group and parameter name), else ``tenc[3]``, else "a parameter in no group"."""
+    shape = "x".join(map(str, p.shape)) or "scalar"
+    for gname, g in groups.items():
+        if id(p) in g.param_names:
+            return f"`{gname}.{g.param_names[id(p)]}` ({shape})"
+        for k, q in enumerate(g.params):
+            if q is p:
+                return f"`{gname}[{k}]` ({shape})"
+    return f"a parameter in no group ({shape})"
+
+
+def optimizer_mismatch(name: str, groups: Mapping[str, Group], limit: int = 5) -> str | None:
+    """Why group ``name``'s optimizer does not own exactly the group's parameters, or None if it does."""
+    group = groups[name]
+    opt = group.optimizer
+    if opt is None:
+        return None
+    owned = [p for pg in opt.param_groups for p in pg["params"]]
+    owned_ids = {id(p) for p in owned}
+    mine = {id(p) for p in group.params}
+    missing = [p for p in group.params if id(p) not in owned_ids]
+    extra = list({id(p): p for p in owned if id(p) not in mine}.values())
+    if not missing and not extra:
+        return None
+    parts = []
+    for what, ps in (("is missing", missing), ("also holds", extra)):
+        if ps:
+            shown = ", ".join(describe_param(p, groups) for p in ps[:limit])
+            more = f" and {len(ps) - limit} more" if len(ps) > limit else ""
+            parts.append(f"{what} {len(ps)} parameter(s): {shown}{more}")
+    return (
+        f"the optimizer of group `{name}` must own exactly that group's {len(group.params)} parameters, "
+        "but it "
+        + "; ".join(parts)
+        + " (an optimizer shared by several groups cannot be stepped per group: leave `optimizer` unset and "
+        "step it yourself)"
+    )
+
+
+def scheduler_mismatch(name: str, groups: Mapping[str, Group]) -> str | None:
+    """Why group ``name``'s scheduler is not bound to the group's optimizer, or None if it is."""
+    group = groups[name]
+    sched = group.scheduler
+    if sched is None:
+        return None
+    if group.optimizer is None:
+        return f"group `{name}` has a `scheduler` but no `optimizer`; give the optimizer it is bound to"
+    bound = getattr(sched, "optimizer", None)
+    if bound is group.optimizer:
+        return None
+    owner = next((n for n, g in groups.items() if g.optimizer is not None and g.optimizer is bound), None)
+    where = f"the optimizer of group `{owner}`" if owner else "an optimizer that is not this group's"
+    return f"the scheduler of group `{name}` is bound to {where}, not to group `{name}`'s optimizer"

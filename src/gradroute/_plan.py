@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from ._graph import Graph, root_edge, walk
 
@@ -144,9 +145,7 @@ class Plan:
         for r in rows:
             lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)))
         lines.append("")
-        lines.append(
-            "retain=yes: the call's nodes are needed again by a later pass; each node's last call frees it."
-        )
+        lines.append("retain=yes: the call's nodes are needed again by a later pass; each node's last call frees it.")
         return "\n".join(lines)
 
 
@@ -156,7 +155,7 @@ class Stage:
 
     pass_index: int
     retain: bool
-    losses: list[torch.Tensor]
+    losses: list[tuple[int, int]]  # (route, loss) positions in Program.routes
     cuts_in: list[tuple[int, int]]
     cuts_out: list[tuple[int, int]]
     targets: list[torch.Tensor]
@@ -173,6 +172,36 @@ class Program:
     graph: Graph
     routes: Sequence[Route]
     stages: list[Stage] = field(default_factory=list)
+    unreached: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Cached:
+    """What a program keeps across calls: no graph references, only ids into a graph of equal signature."""
+
+    signature: list
+    plan: Plan
+    stages: list[Stage]
+    unreached: list[str]
+
+
+class PlanCache:
+    """The last program per call shape (group names, loss counts, mode), reused when the graph is the same.
+
+    Reuse is safe because the plan is a function of the graph's signature alone (node classes, edges with
+    their input slots, which leaves are which group parameters, where the losses enter): the walk that
+    computes the signature runs on every call, only the analysis is skipped. Parameters are compared by
+    identity; the router holds them, so their ids cannot be reused while the cache exists.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self.entries: dict[tuple, _Cached] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self.entries.clear()
 
 
 def _bits(mask: int) -> list[int]:
@@ -186,7 +215,7 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
-def build(routes: Sequence[Route], *, merge_shared: bool = True) -> tuple[Program, list[str]]:
+def build(routes: Sequence[Route], *, merge_shared: bool = True, cache: PlanCache | None = None) -> Program:
     """Analyse the graph of ``routes`` and build the program.
 
     Args:
@@ -195,13 +224,35 @@ def build(routes: Sequence[Route], *, merge_shared: bool = True) -> tuple[Progra
             ``backward``, where shared parameters receive the sum; not for ``grads``, which reports each
             route's gradient separately).
 
+        cache: reuse the analysis of an earlier graph with the same signature.
+
     Returns:
-        The program, and the names of routes whose loss reaches none of their group's parameters.
+        The program; ``program.unreached`` names the routes whose loss reaches none of their parameters.
     """
-    n_routes = len(routes)
     root_edges = [[root_edge(t) for t in r.losses] for r in routes]
     roots = [e.node for edges in root_edges for e in edges]
-    g = walk(roots)
+    marks: dict[int, int] = {}
+    for route in routes:
+        for p in route.params:
+            marks.setdefault(id(p), len(marks) + 1)
+    g = walk(roots, marks)
+    key = (merge_shared, tuple((r.name, len(r.losses)) for r in routes))
+    hit = cache.entries.get(key) if cache is not None else None
+    if hit is not None and hit.signature == g.signature:
+        cache.hits += 1  # type: ignore[union-attr]
+        return Program(plan=hit.plan, graph=g, routes=routes, stages=hit.stages, unreached=hit.unreached)
+    program = _analyse(g, routes, root_edges, merge_shared)
+    if cache is not None:
+        cache.misses += 1
+        cache.entries.pop(key, None)
+        if len(cache.entries) >= cache.size:
+            cache.entries.pop(next(iter(cache.entries)))
+        cache.entries[key] = _Cached(g.signature, program.plan, program.stages, program.unreached)
+    return program
+
+
+def _analyse(g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEdge]], merge_shared: bool) -> Program:
+    n_routes = len(routes)
     n = len(g.nodes)
     succ, topo, leaf = g.succ, g.topo, g.leaf
 
@@ -361,14 +412,14 @@ def build(routes: Sequence[Route], *, merge_shared: bool = True) -> tuple[Progra
         kept_nodes=kept,
         graph_nodes=n,
     )
-    return Program(plan=plan, graph=g, routes=routes, stages=stages), unreached
+    return Program(plan=plan, graph=g, routes=routes, stages=stages, unreached=unreached)
 
 
 def _stage_pass(
     g: Graph,
     k: int,
     routes: Sequence[Route],
-    root_edges: list[list],
+    root_edges: list[list[GradientEdge]],
     route_mask: int,
     need: list[int],
     last: list[int],
@@ -397,16 +448,16 @@ def _stage_pass(
         stage = {i: 0 for i in members}
 
     pass_route_ids = _bits(route_mask)
-    losses_by_stage: dict[int, list[torch.Tensor]] = {}
+    losses_by_stage: dict[int, list[tuple[int, int]]] = {}
     leaf_root_targets: list[int] = []
     for r in pass_route_ids:
-        for t, e in zip(routes[r].losses, root_edges[r]):
+        for t_pos, e in enumerate(root_edges[r]):
             i = g.index[e.node]
             if i in leaf:  # the loss is a leaf itself: it is its own target
-                losses_by_stage.setdefault(0, []).append(t)
+                losses_by_stage.setdefault(0, []).append((r, t_pos))
                 leaf_root_targets.append(i)
-            else:
-                losses_by_stage.setdefault(stage[i], []).append(t)
+            elif i in stage:  # a loss term that reaches none of the pass's parameters is left out
+                losses_by_stage.setdefault(stage[i], []).append((r, t_pos))
 
     route_of_param = {id(p): r for r in reversed(pass_route_ids) for p in routes[r].params}
 
@@ -420,7 +471,7 @@ def _stage_pass(
             Stage(
                 pass_index=k,
                 retain=any_retained,
-                losses=[t for r in pass_route_ids for t in routes[r].losses],
+                losses=[t for ts in losses_by_stage.values() for t in ts],
                 cuts_in=[],
                 cuts_out=[],
                 targets=[leaf[j] for j in tgt],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -9,7 +10,8 @@ import torch
 
 from ._execute import GraphFreedError, execute, freed_message
 from ._group import Group, GroupLike
-from ._plan import Plan, Program, Route, build
+from ._plan import Plan, PlanCache, Program, Route, build
+from ._step import StepStats
 
 LossLike = torch.Tensor | Sequence[torch.Tensor]
 
@@ -85,6 +87,7 @@ class Router:
                         f"`allow_unreached` names unknown group `{n}`; groups are: {', '.join(self._groups)}"
                     )
             self._allow_unreached = set(names)
+        self._cache = PlanCache()
         from ._step import Stepper
 
         self._stepper = Stepper(self._groups, scaler=scaler, accumulate=accumulate)
@@ -129,39 +132,79 @@ class Router:
         program = self._program(routes, merge_shared=False)
         collected = execute(program, accumulate=False)
         del program
-        return {
-            r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)
-        }
+        return {r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)}
 
     def plan(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> Plan:
         """What :meth:`backward` would do with these losses; nothing is run. ``print(plan)`` shows a table."""
         routes = self._routes(losses, named_losses, "plan")
         return self._program(routes, merge_shared=True).plan
 
-    def step(self) -> dict[str, Any]:
-        """Step every group's optimizer (and scheduler) once per ``accumulate`` backward calls.
+    def step(self) -> StepStats:
+        """Close a micro-batch; on every ``accumulate``-th call, step every group's optimizer and scheduler.
 
-        See :class:`gradroute.StepStats`-style dict returned by the stepper: per group ``loss``, ``grad_norm``,
-        ``lr``, ``skipped``.
+        Follows PyTorch's AMP notes for several models, losses and optimizers. On a real step, in order:
+        ``scaler.unscale_`` once per group's optimizer; every group's ``grad_hook`` (all groups unscaled,
+        none stepped); the total norm of each group's unscaled gradients, clipped to ``max_grad_norm``;
+        ``scaler.step`` per optimizer (inf/NaN in one group's gradients skips only that optimizer); ONE
+        ``scaler.update()``; the scheduler of each group whose optimizer updated (an AMP-skipped or
+        gradient-less group's schedule does not advance: schedules count applied updates, and torch does not
+        warn about a scheduler stepped before its optimizer); ``.grad = None`` for every group. Without an
+        enabled scaler the same happens minus the scaling. The other calls only count the micro-batch.
+
+        Returns:
+            :class:`gradroute.StepStats`: ``group name -> GroupStats`` (``loss``, unscaled and averaged over
+            the micro-batches; ``grad_norm`` of the unscaled gradients before clipping; ``lr`` this step
+            used, read before the scheduler steps; ``skipped``), and ``accumulating`` (``True`` on a
+            micro-step), ``micro_step``, ``step`` and ``scale``.
+
+        Raises:
+            RuntimeError: no :meth:`backward` since the last ``step()``; a group without ``optimizer``; an
+                optimizer or scheduler changed to not match its group since construction; the scaler already
+                unscaled or stepped one of the optimizers. Checked before anything is touched.
+            ValueError: float16 gradients with an enabled scaler (before anything is touched).
+
+        Example:
+            >>> import torch, gradroute
+            >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            >>> opt_t, opt_u = torch.optim.AdamW(tenc.parameters()), torch.optim.AdamW(unet.parameters())
+            >>> router = gradroute.Router(
+            ...     tenc=gradroute.Group(tenc, optimizer=opt_t, max_grad_norm=1.0),
+            ...     unet=gradroute.Group(unet, optimizer=opt_u),
+            ...     accumulate=2,
+            ... )
+            >>> for _ in range(2):
+            ...     loss = unet(tenc(torch.randn(8, 4))).pow(2)
+            ...     router.backward(tenc=loss.mean(), unet=loss[:4].mean())
+            ...     stats = router.step()
+            >>> stats.accumulating, stats.step, stats["tenc"].skipped
+            (False, 1, False)
         """
         return self._stepper.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero (or set to None) the gradients of every group's parameters."""
-        for g in self._groups.values():
-            for p in g.params:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.detach_()
-                    p.grad.zero_()
+        """Zero (or set to None) every group's gradients, and drop the accumulation window.
+
+        :meth:`step` already sets the gradients to None after every real step; calling ``zero_grad()`` between
+        the micro-batches of an accumulation window discards them (the window restarts).
+        """
+        self._stepper.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizers, schedulers, scaler and accumulation counter, for resuming."""
+        """Optimizers, schedulers, scaler and accumulation counter, for resuming (model weights not included).
+
+        Saved inside an accumulation window (or between :meth:`backward` and :meth:`step`), it also holds the
+        accumulated gradients, so a resumed run takes the same steps. Loadable with ``torch.load(...,
+        weights_only=True)``.
+        """
         return self._stepper.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned, into a Router built the same way.
+
+        Raises:
+            ValueError, TypeError: the state does not match this Router (groups with optimizers or schedulers,
+                parameter-group sizes, scaler, accumulation window); checked before anything is loaded.
+        """
         self._stepper.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
@@ -170,9 +213,7 @@ class Router:
 
     # ------------------------------------------------------------------ internals
 
-    def _routes(
-        self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str
-    ) -> list[Route]:
+    def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
         given: dict[str, LossLike] = {}
         if losses is not None:
             if not isinstance(losses, Mapping):
@@ -207,9 +248,7 @@ class Router:
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{label} must be a Tensor, got {type(t).__name__}")
                 if t.numel() != 1:
-                    raise ValueError(
-                        f"{label} must be a scalar, got shape {tuple(t.shape)} (reduce it, e.g. .mean())"
-                    )
+                    raise ValueError(f"{label} must be a scalar, got shape {tuple(t.shape)} (reduce it, e.g. .mean())")
                 if not t.requires_grad:
                     raise ValueError(
                         f"{label} does not require grad: it was computed without autograd "
@@ -220,8 +259,14 @@ class Router:
         return routes
 
     def _program(self, routes: list[Route], *, merge_shared: bool) -> Program:
-        program, unreached = build(routes, merge_shared=merge_shared)
-        bad = [n for n in unreached if n not in self._allow_unreached]
+        enabled = gc.isenabled()
+        gc.disable()  # the walk creates a Python object per node: no collector passes in between
+        try:
+            program = build(routes, merge_shared=merge_shared, cache=self._cache)
+        finally:
+            if enabled:
+                gc.enable()
+        bad = [n for n in program.unreached if n not in self._allow_unreached]
         if bad:
             raise ValueError(
                 f"loss for group `{bad[0]}` reaches none of that group's {len(self._groups[bad[0]].params)} "

@@ -1,0 +1,109 @@
+"""The plan: what it does on the seed's text-encoder -> UNet setup, how it prints, and its cache."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import gradroute
+from gradroute._demo_models import make_batch, make_models, route_losses
+from tests._reference import assert_grads_match, reference_grads
+
+D = torch.float64
+
+
+@pytest.fixture
+def seed_setup():
+    tenc, unet = make_models(seed=0, width=8)
+    tenc, unet = tenc.to(D), unet.to(D)
+    batch = make_batch(3, torch.Generator().manual_seed(0))
+    batch = {k: v.to(D) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+
+    def forward():
+        pred = unet(batch["noisy"], batch["timesteps"], tenc(batch["tokens"]))
+        loss_tenc, loss_unet = route_losses(pred, batch)
+        return {"tenc": loss_tenc, "unet": loss_unet}
+
+    return tenc, unet, forward
+
+
+def test_text_encoder_unet_exact(seed_setup):
+    tenc, unet, forward = seed_setup
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(forward, groups)
+    gradroute.Router(tenc=tenc, unet=unet).backward(**forward())
+    assert_grads_match([*tenc.parameters(), *unet.parameters()], expected, rtol=1e-9, atol=1e-12)
+
+
+def test_seed_plan_cuts_at_text_encoder_output(seed_setup):
+    tenc, unet, forward = seed_setup
+    plan = gradroute.Router(tenc=tenc, unet=unet).plan(**forward())
+    # the text-encoder loss goes first, retaining only through the shared UNet (input gradients only),
+    # then the UNet loss frees the UNet while computing its weight gradients, then the text encoder
+    assert plan.passes == (("tenc",), ("unet",))
+    assert plan.kept_nodes == 0
+    assert plan.leaks == {"tenc": ("unet",), "unet": ("tenc",)}
+    retaining = [c for c in plan.calls if c.retain]
+    assert len(retaining) == 1 and retaining[0].params == 0 and retaining[0].groups == ("tenc",)
+    assert plan.calls[-1].groups == ("unet",) and not plan.calls[-1].retain
+    n_tenc = len(list(tenc.parameters()))
+    n_unet = len(list(unet.parameters()))
+    assert sum(c.params for c in plan.calls if c.groups == ("tenc",)) == n_tenc
+    assert sum(c.params for c in plan.calls if c.groups == ("unet",)) == n_unet
+    # every node is executed; shared nodes twice (retain, then final), and no call runs without work
+    assert all(c.nodes > 0 for c in plan.calls)
+
+
+def test_plan_prints_a_readable_table(seed_setup):
+    tenc, unet, forward = seed_setup
+    text = str(gradroute.Router(tenc=tenc, unet=unet).plan(**forward()))
+    assert text.startswith("gradroute plan: 2 routed loss(es), 2 pass(es)")
+    assert "tenc -> unet" in text and "LEAK" in text and "(own)" in text
+    assert "passes (in order): tenc  then  unet" in text
+    for column in ("retain", "starts from", "cuts out", "params", "nodes"):
+        assert column in text
+
+
+def test_plan_runs_nothing_and_holds_no_graph(seed_setup):
+    tenc, unet, _forward = seed_setup
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    hidden = tenc(torch.randint(0, 8, (2, 4)))
+    ref = weakref.ref(hidden)  # saved by the UNet's cross-attention projections
+    x = torch.zeros(2, 3, 32, 32, dtype=D)
+    pred = unet(x, torch.zeros(2, dtype=torch.long), hidden)
+    losses = {"tenc": pred.mean(), "unet": pred.pow(2).mean()}
+    del hidden, pred
+    plan = router.plan(**losses)
+    assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])
+    del losses
+    gc.collect()
+    assert ref() is None, "the plan keeps the autograd graph alive"
+    assert plan.graph_nodes > 0
+
+
+def test_cache_reuses_the_analysis_for_the_same_graph(seed_setup):
+    tenc, unet, forward = seed_setup
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    for _step in range(3):
+        for p in [*tenc.parameters(), *unet.parameters()]:
+            p.grad = None
+        expected = reference_grads(forward, groups)
+        router.backward(**forward())
+        assert_grads_match([*tenc.parameters(), *unet.parameters()], expected, rtol=1e-9, atol=1e-12)
+    assert (router._cache.misses, router._cache.hits) == (1, 2)
+    # another shape of call is planned anew
+    router.backward(tenc=forward()["tenc"])
+    assert router._cache.misses == 2
+
+
+def test_cache_misses_when_the_graph_changes():
+    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
+    router = gradroute.Router(a=a, b=b)
+    x = torch.randn(2, 3, dtype=D)
+    router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
+    router.backward(a=b(a(x).relu()).sum(), b=b(a(x)).pow(2).sum())  # one more node
+    assert router._cache.misses == 2 and router._cache.hits == 0

@@ -1,0 +1,434 @@
+"""gradroute.checkpoint: one recomputation per routed backward, exact, freed; torch's behaviour outside."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import CheckpointError
+
+import gradroute
+from gradroute import _session
+from gradroute._checkpoint import checkpoint_kind
+
+from ._reference import assert_grads_match, reference_grads
+
+CK = Callable[..., Any]
+torch_ck: CK = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+CKS = {"gradroute": gradroute.checkpoint, "torch": torch_ck}
+
+
+class Block(nn.Module):
+    """A residual MLP block with dropout; counts its calls made during a routed backward (recomputations)."""
+
+    def __init__(self, d: int, p: float = 0.25) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(d, 2 * d)
+        self.lin2 = nn.Linear(2 * d, d)
+        self.p = p
+        self.recomputed = 0
+        self.storages: list[StorageWeakRef] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.tanh(self.lin1(x))
+        h = nn.functional.dropout(a, self.p, training=True)
+        if _session.current() is not None:  # only recomputations run inside a routed backward
+            self.recomputed += 1
+        if torch._C._current_graph_task_id() != -1:  # a recomputation: keep an eye on two saved tensors
+            self.storages += [StorageWeakRef(t.untyped_storage()) for t in (a, h)]
+        return x + self.lin2(h)
+
+
+class Net(nn.Module):
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor, ck: CK | None) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x) if ck is None else ck(b, x)
+        return x
+
+
+D = 6
+
+
+def make() -> tuple[Net, Net]:
+    return Net(D, 2).double(), Net(D, 3).double()
+
+
+def losses(tenc: Net, unet: Net, ck: CK | None, seed: int = 7) -> dict[str, torch.Tensor]:
+    """The tenc -> unet chain with a masked loss; reseeds so dropout draws the same masks every call."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, D, generator=g, dtype=torch.float64)
+    target = torch.randn(5, D, generator=g, dtype=torch.float64)
+    mask = (torch.rand(5, D, generator=g) > 0.5).double()
+    torch.manual_seed(seed)
+    loss = (unet(tenc(x, ck), ck) - target) ** 2
+    return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
+
+
+def recomputed(net: Net) -> list[int]:
+    return [b.recomputed for b in net.blocks]
+
+
+@pytest.mark.parametrize("method", ["backward", "grads"])
+@pytest.mark.parametrize("ck", ["gradroute", "torch"])
+def test_router_matches_reference_with_dropout(ck: str, method: str) -> None:
+    tenc, unet = make()
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(lambda: losses(tenc, unet, None), groups)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    ls = losses(tenc, unet, CKS[ck])
+    params = groups["tenc"] + groups["unet"]
+    if method == "backward":
+        router.backward(**ls)
+    else:
+        got = router.grads(**ls)
+        for p, g in zip(params, [*got["tenc"], *got["unet"]], strict=True):
+            p.grad = g
+    assert_grads_match(params, expected)
+
+
+@pytest.mark.parametrize(("ck", "unet_recomputes"), [("gradroute", 1), ("torch", 2)])
+def test_each_segment_recomputed_once_per_routed_backward(ck: str, unet_recomputes: int) -> None:
+    # both passes go through every unet block; only the text-encoder pass goes through tenc's blocks
+    tenc, unet = make()
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    for step in range(1, 3):
+        router.backward(**losses(tenc, unet, CKS[ck]))
+        assert recomputed(unet) == [step * unet_recomputes] * 3
+        assert recomputed(tenc) == [step] * 2
+
+
+def test_recomputed_tensors_freed_after_backward() -> None:
+    tenc, unet = make()
+    ls = losses(tenc, unet, gradroute.checkpoint)
+    gradroute.Router(tenc=tenc, unet=unet).backward(**ls)
+    made = [s for b in [*tenc.blocks, *unet.blocks] for s in b.storages]
+    assert len(made) == 2 * 5
+    assert all(s.expired() for s in made)  # while ``ls`` still holds the (freed) graph
+
+
+def test_routed_backward_exit_drops_what_a_retained_graph_keeps() -> None:
+    tenc, unet = make()
+    ls = losses(tenc, unet, gradroute.checkpoint)
+    params = list(unet.parameters())
+    with _session.routed_backward():
+        first = torch.autograd.grad(ls["unet"], params, retain_graph=True)
+        again = torch.autograd.grad(ls["unet"], params, retain_graph=True)
+        assert recomputed(unet) == [1, 1, 1]  # the second call is served the same recomputation
+        alive = [s for b in unet.blocks for s in b.storages]
+        assert alive and not any(s.expired() for s in alive)
+    assert all(s.expired() for s in alive)  # graph still alive, recomputed tensors gone
+    later = torch.autograd.grad(ls["unet"], params)  # a plain backward recomputes afresh
+    for a, b, c in zip(first, again, later, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+class Counted:
+    """``fn`` that counts every call (forward and recomputations)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def _chain(ck: CK, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, list[Counted]]:
+    segs = [Counted(lambda t: nn.functional.dropout(torch.sin(t @ w), 0.3)) for _ in range(3)]
+    for s in segs:
+        x = ck(s, x)
+    return x, segs
+
+
+@pytest.mark.parametrize("how", ["backward", "grad_twice", "grad_then_backward"])
+def test_outside_router_like_torch(how: str) -> None:
+    results = {}
+    for name, ck in CKS.items():
+        torch.manual_seed(3)
+        w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        y, segs = _chain(ck, x, w)
+        loss = (y**2).sum()
+        if how == "backward":
+            loss.backward()
+            grads = [w.grad, x.grad]
+        elif how == "grad_twice":
+            grads = [*torch.autograd.grad(loss, [w], retain_graph=True), *torch.autograd.grad(loss, [x, w])]
+        else:
+            grads = [*torch.autograd.grad(loss, [x], retain_graph=True)]
+            loss.backward(inputs=[w])
+            grads.append(w.grad)
+        results[name] = (grads, [s.calls for s in segs])
+    (g_ours, calls_ours), (g_torch, calls_torch) = results["gradroute"], results["torch"]
+    assert calls_ours == calls_torch  # one recomputation per backward call, like torch
+    for a, b in zip(g_ours, g_torch, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _peak_bytes(fn: Callable[[], None]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    cur = peak = 0
+    for _, n in events:
+        cur += n
+        peak = max(peak, cur)
+    return peak
+
+
+def test_outside_router_same_peak_memory_as_torch() -> None:
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+
+    def seg(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            t = torch.tanh(t @ w)
+        return t
+
+    def step(ck: CK) -> Callable[[], None]:
+        def run() -> None:
+            h = x
+            for _ in range(6):
+                h = ck(seg, h)
+            h.sum().backward()
+            w.grad = None
+
+        return run
+
+    peaks = {name: _peak_bytes(step(ck)) for name, ck in CKS.items()}
+    no_ck = _peak_bytes(step(lambda f, t: f(t)))
+    assert peaks["torch"] < 0.6 * no_ck  # the measurement sees checkpointing at all
+    assert abs(peaks["gradroute"] - peaks["torch"]) <= 4096, peaks
+
+
+@pytest.mark.parametrize(("ck", "passes"), [("gradroute", 1), ("torch", 2)])
+def test_nested_checkpoint_exact_under_router(ck: str, passes: int) -> None:
+    tenc, unet = make()
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(lambda: losses(tenc, unet, None), groups)
+
+    def outer(t: torch.Tensor) -> torch.Tensor:
+        for b in unet.blocks:
+            t = CKS[ck](b, t)
+        return t
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, D, generator=g, dtype=torch.float64)
+    target = torch.randn(5, D, generator=g, dtype=torch.float64)
+    mask = (torch.rand(5, D, generator=g) > 0.5).double()
+    torch.manual_seed(7)
+    loss = (CKS[ck](outer, tenc(x, None)) - target) ** 2
+    gradroute.Router(tenc=tenc, unet=unet).backward(tenc=loss.mean(), unet=(loss * mask).mean())
+    assert_grads_match(groups["tenc"] + groups["unet"], expected)
+    # per pass: the outer recomputation runs the inner blocks' forwards and stops (early stop) once it has
+    # saved the last block's input; each inner recomputation adds one
+    assert recomputed(unet) == [2 * passes, 2 * passes, passes]
+
+
+def test_kwargs_and_non_tensor_args() -> None:
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, dtype=torch.float64)
+
+    def f(t: torch.Tensor, k: int, *, scale: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        return torch.sin(t @ w) * scale * k + shift
+
+    scale = torch.full((3,), 2.0, dtype=torch.float64, requires_grad=True)
+    y = gradroute.checkpoint(f, x, 3, scale=scale, shift=1.5)
+    torch.testing.assert_close(y, f(x, 3, scale=scale, shift=1.5), rtol=0, atol=0)
+    gw, gs = torch.autograd.grad(y.sum(), [w, scale])
+    rw, rs = torch.autograd.grad(f(x, 3, scale=scale, shift=1.5).sum(), [w, scale])
+    torch.testing.assert_close(gw, rw, rtol=0, atol=0)
+    torch.testing.assert_close(gs, rs, rtol=0, atol=0)
+
+
+def test_no_grad_runs_plainly() -> None:
+    f = Counted(lambda t: t * 2)
+    with torch.no_grad():
+        y = gradroute.checkpoint(f, torch.ones(2, requires_grad=True))
+    assert f.calls == 1 and y.grad_fn is None
+
+
+def test_autocast_state_replayed() -> None:
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    grads = {}
+    for name, ck in CKS.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = ck(lambda t: torch.relu(lin(t)) @ lin.weight, x)
+        assert y.dtype == torch.bfloat16
+        grads[name] = torch.autograd.grad(y.float().sum(), [lin.weight, lin.bias])
+    for a, b in zip(grads["gradroute"], grads["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_checkpoint_kind_names_the_checkpoint() -> None:
+    x = torch.randn(2, 3, requires_grad=True)
+    ours = gradroute.checkpoint(torch.sin, x)
+    theirs = torch_ck(torch.sin, x)
+    reentrant = torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=True)
+    assert checkpoint_kind(ours.grad_fn) == "gradroute"
+    assert checkpoint_kind(theirs.grad_fn) == "torch"
+    assert checkpoint_kind(reentrant.grad_fn) == "reentrant"
+    assert checkpoint_kind(torch.sin(x).grad_fn) is None
+    assert checkpoint_kind((x + 1).grad_fn) is None  # saves nothing
+    ours.sum().backward()
+    assert checkpoint_kind(ours.grad_fn) is None  # freed
+
+
+def test_nondeterministic_segment_fails() -> None:
+    calls = []
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return torch.sin(t) if len(calls) == 1 else t * 2  # saves one tensor, then none when recomputed
+
+    y = gradroute.checkpoint(f, torch.randn(3, requires_grad=True))
+    with pytest.raises(CheckpointError, match="different number of tensors"):
+        y.sum().backward()
+
+
+def test_use_reentrant_true_fails() -> None:
+    with pytest.raises(ValueError, match="`use_reentrant` must be False or None, got True"):
+        gradroute.checkpoint(torch.sin, torch.ones(1, requires_grad=True), use_reentrant=True)
+
+
+def test_debug_fails() -> None:
+    with pytest.raises(ValueError, match="`debug=True` is not supported"):
+        gradroute.checkpoint(torch.sin, torch.ones(1, requires_grad=True), debug=True)
+
+
+def test_determinism_check_fails() -> None:
+    with pytest.raises(ValueError, match=r"`determinism_check` must be one of .* got 'strict'"):
+        gradroute.checkpoint(torch.sin, torch.ones(1, requires_grad=True), determinism_check="strict")
+
+
+def test_recomputed_tensors_freed_with_their_node() -> None:
+    tenc, unet = make()
+    ls = losses(tenc, unet, gradroute.checkpoint)
+    with _session.routed_backward():
+        torch.autograd.grad(ls["unet"], list(unet.parameters()), retain_graph=False)
+        made = [s for b in unet.blocks for s in b.storages]
+        assert made and all(s.expired() for s in made)  # before the routed backward returns
+
+
+def _sd_tiny(ck: CK) -> tuple[nn.Module, nn.Module, Callable[[], dict[str, torch.Tensor]]]:
+    """diffusers UNet2DConditionModel + transformers CLIPTextModel, tiny, float64, with their own switches."""
+    diffusers = pytest.importorskip("diffusers")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    ).double()
+    config = transformers.CLIPTextConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        hidden_act="quick_gelu",
+        projection_dim=32,
+        attention_dropout=0.1,  # RNG inside the text encoder's checkpointed layers
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    tenc = transformers.CLIPTextModel(config).double()
+    unet.train()
+    tenc.train()
+    unet.enable_gradient_checkpointing(gradient_checkpointing_func=ck)
+    tenc._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ck)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(2, 100, (2, 16), generator=g)
+    noisy = torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64)
+    noise = torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64)
+    t = torch.tensor([10, 500])
+    mask = (torch.rand(2, 1, 8, 8, generator=g) > 0.5).double()
+
+    def forward() -> dict[str, torch.Tensor]:
+        torch.manual_seed(5)
+        h = tenc(input_ids=tokens).last_hidden_state
+        pred = unet(noisy, t, encoder_hidden_states=h).sample
+        loss = nn.functional.mse_loss(pred, noise, reduction="none")
+        return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
+
+    return tenc, unet, forward
+
+
+def _kinds(t: torch.Tensor) -> set[str | None]:
+    seen, stack, kinds = set(), [t.grad_fn], set()
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        kinds.add(checkpoint_kind(n))
+        stack.extend(f for f, _ in n.next_functions)
+    return kinds
+
+
+def test_diffusers_and_transformers_switches_accept_gradroute_checkpoint() -> None:
+    tenc, unet, forward = _sd_tiny(gradroute.checkpoint)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    ls = forward()
+    assert _kinds(ls["tenc"]) == {None, "gradroute"}
+    gradroute.Router(tenc=tenc, unet=unet).backward(**ls)
+    unet.disable_gradient_checkpointing()
+    tenc._set_gradient_checkpointing(enable=False)
+    expected = reference_grads(forward, groups)  # fresh forward per loss, no checkpointing
+    assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
+
+
+def _counting(ck: CK, counts: dict[str, list[int]]) -> CK:
+    """``ck`` that counts, per checkpointed segment, the recomputations run inside a routed backward."""
+
+    def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        owner = getattr(fn, "__self__", fn)  # diffusers passes the module, transformers a partial
+        owner = getattr(owner, "args", [owner])[0] if isinstance(owner, functools.partial) else owner
+        side = "unet" if type(owner).__module__.startswith("diffusers") else "tenc"
+        slot = len(counts[side])
+        counts[side].append(0)
+
+        def counted(*a: Any, **k: Any) -> Any:
+            if _session.current() is not None:
+                counts[side][slot] += 1
+            return fn(*a, **k)
+
+        return ck(counted, *args, **kwargs)
+
+    return run
+
+
+@pytest.mark.parametrize(("ck", "passes"), [("gradroute", 1), ("torch", 2)])
+def test_diffusers_and_transformers_recompute_once_per_routed_backward(ck: str, passes: int) -> None:
+    counts: dict[str, list[int]] = {"tenc": [], "unet": []}
+    tenc, unet, forward = _sd_tiny(_counting(CKS[ck], counts))
+    gradroute.Router(tenc=tenc, unet=unet).backward(**forward())
+    # the first down-block resnet runs before the first cross-attention: only the unet pass enters it;
+    # both passes enter every later segment (the text-encoder pass to reach encoder_hidden_states)
+    n = len(counts["unet"])
+    assert n >= 5 and len(counts["tenc"]) == 2
+    assert counts["unet"] == [1] + [passes] * (n - 1), counts
+    assert counts["tenc"] == [1, 1]

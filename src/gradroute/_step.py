@@ -149,10 +149,7 @@ class Stepper:
         self._pending = {r.name: _loss_value(r.losses) for r in routes}
         if not self._scaling and self.accumulate == 1:
             return routes
-        return [
-            Route(name=r.name, losses=tuple(self._scale(t) for t in r.losses), params=r.params)
-            for r in routes
-        ]
+        return [Route(name=r.name, losses=tuple(self._scale(t) for t in r.losses), params=r.params) for r in routes]
 
     def _scale(self, t: torch.Tensor) -> torch.Tensor:
         # As in PyTorch's AMP notes: ``loss = loss / iters_to_accumulate``, then ``scaler.scale(loss)``.
@@ -351,12 +348,8 @@ class Stepper:
                 if in_window
                 else None
             ),
-            "optimizers": {
-                n: g.optimizer.state_dict() for n, g in self.groups.items() if g.optimizer is not None
-            },
-            "schedulers": {
-                n: g.scheduler.state_dict() for n, g in self.groups.items() if g.scheduler is not None
-            },
+            "optimizers": {n: g.optimizer.state_dict() for n, g in self.groups.items() if g.optimizer is not None},
+            "schedulers": {n: g.scheduler.state_dict() for n, g in self.groups.items() if g.scheduler is not None},
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
 
@@ -383,21 +376,17 @@ class Stepper:
 
     def _check_state_dict(self, sd: Any) -> Mapping[str, Any]:
         if not isinstance(sd, Mapping):
-            raise TypeError(
-                f"`state_dict` must be a mapping from Router.state_dict(), got {type(sd).__name__}"
-            )
+            raise TypeError(f"`state_dict` must be a mapping from Router.state_dict(), got {type(sd).__name__}")
         if sd.get("format") != _FORMAT:
             raise ValueError(
-                f"`state_dict` is not from Router.state_dict() (format {sd.get('format')!r}, "
-                f"expected {_FORMAT!r})"
+                f"`state_dict` is not from Router.state_dict() (format {sd.get('format')!r}, expected {_FORMAT!r})"
             )
         for kind, attr in (("optimizers", "optimizer"), ("schedulers", "scheduler")):
             have = {n for n, g in self.groups.items() if getattr(g, attr) is not None}
             saved = set(sd[kind])
             if have != saved:
                 raise ValueError(
-                    f"`state_dict` has {kind} for groups {sorted(saved)}, "
-                    f"this Router for groups {sorted(have)}"
+                    f"`state_dict` has {kind} for groups {sorted(saved)}, this Router for groups {sorted(have)}"
                 )
         for name in sorted(sd["optimizers"]):
             opt = self.groups[name].optimizer
@@ -407,14 +396,11 @@ class Stepper:
             mine = [len(pg["params"]) for pg in opt.param_groups]
             if sizes != mine:
                 raise ValueError(
-                    f"the saved optimizer of group `{name}` has parameter groups of sizes {sizes}, "
-                    f"this one {mine}"
+                    f"the saved optimizer of group `{name}` has parameter groups of sizes {sizes}, this one {mine}"
                 )
         saved_scaler = sd["scaler"]
         if self._scaling and not saved_scaler:
-            raise ValueError(
-                "`state_dict` was saved without an enabled scaler; this Router's scaler is enabled"
-            )
+            raise ValueError("`state_dict` was saved without an enabled scaler; this Router's scaler is enabled")
         if self.scaler is None and saved_scaler:
             raise ValueError("`state_dict` holds a scaler's state; this Router has no `scaler`")
         micro = sd["micro_step"]
@@ -434,9 +420,7 @@ class Stepper:
         for name, saved in (sd["grads"] or {}).items():
             g = self.groups.get(name)
             if g is None or len(saved) != len(g.params):
-                raise ValueError(
-                    f"`state_dict` has gradients for group `{name}` that do not match this Router"
-                )
+                raise ValueError(f"`state_dict` has gradients for group `{name}` that do not match this Router")
             for k, (t, p) in enumerate(zip(saved, g.params, strict=True)):
                 if t is not None and tuple(t.shape) != tuple(p.shape):
                     raise ValueError(
@@ -455,9 +439,7 @@ def _check_accumulate(accumulate: Any) -> int:
     try:
         n = operator.index(accumulate)
     except TypeError:
-        raise TypeError(
-            f"`accumulate` must be an int >= 1, got {type(accumulate).__name__} ({accumulate!r})"
-        ) from None
+        raise TypeError(f"`accumulate` must be an int >= 1, got {type(accumulate).__name__} ({accumulate!r})") from None
     if n < 1:
         raise ValueError(f"`accumulate` must be >= 1, got {accumulate!r}")
     return n
@@ -517,8 +499,7 @@ def _check_step_parts(groups: Mapping[str, Group]) -> None:
             for m in ("step", "state_dict", "load_state_dict"):
                 if not callable(getattr(g.scheduler, m, None)):
                     raise TypeError(
-                        f"`scheduler` of group `{name}` must be a torch LRScheduler, "
-                        f"got {type(g.scheduler).__name__}"
+                        f"`scheduler` of group `{name}` must be a torch LRScheduler, got {type(g.scheduler).__name__}"
                     )
             why = scheduler_mismatch(name, groups)
             if why:

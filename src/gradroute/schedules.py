@@ -88,9 +88,7 @@ def warmup_power(
     if lam.exponent < 0:
         raise ValueError(f"`exponent` must be >= 0, got {exponent!r}")
     if lam.total_steps < lam.warmup_steps:
-        raise ValueError(
-            f"`total_steps` ({total_steps!r}) must be at least `warmup_steps` ({warmup_steps!r})"
-        )
+        raise ValueError(f"`total_steps` ({total_steps!r}) must be at least `warmup_steps` ({warmup_steps!r})")
     if not 0.0 <= lam.min_lr_ratio <= 1.0:
         raise ValueError(f"`min_lr_ratio` must be in [0, 1], got {min_lr_ratio!r}")
     return LambdaLR(optimizer, lam, last_epoch=_int_arg("last_epoch", last_epoch, -1))

@@ -1,0 +1,728 @@
+"""Router.step(): AMP with several optimizers, clipping, hooks, accumulation, schedulers, resume, call order.
+
+The references follow PyTorch's AMP notes ("Working with multiple models, losses, and optimizers") line by line,
+with an independent forward per loss; they never call gradroute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradroute
+from gradroute.schedules import warmup_power
+
+ROOT = Path(__file__).resolve().parents[1]
+INF = float("inf")
+
+# ---------------------------------------------------------------------- setups
+
+
+def make_nets(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    tenc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)).to(dtype)
+    unet = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).to(dtype)
+    return tenc, unet
+
+
+def make_batches(n: int, size: int = 8, seed: int = 1, dtype: torch.dtype = torch.float32) -> list[tuple]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(size, 4, generator=g).to(dtype),
+            torch.randn(size, 4, generator=g).to(dtype),
+            (torch.rand(size, 4, generator=g) > 0.5).to(dtype),
+        )
+        for _ in range(n)
+    ]
+
+
+#: name -> (autocast dtype or None, GradScaler kwargs or None for no scaler)
+PRECISIONS: dict[str, tuple[torch.dtype | None, dict | None]] = {
+    "fp32": (None, None),
+    "bf16": (torch.bfloat16, None),
+    "fp16-scaler": (torch.float16, {}),
+    "bf16-scaler": (torch.bfloat16, {}),
+    "fp32-disabled-scaler": (None, {"enabled": False}),
+}
+
+
+def autocast(dtype: torch.dtype | None) -> Any:
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
+def make_scaler(kwargs: dict | None) -> torch.amp.GradScaler | None:
+    return None if kwargs is None else torch.amp.GradScaler("cpu", **kwargs)
+
+
+def seed_optimizers(tenc: nn.Module, unet: nn.Module, kind: str) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """The question's optimizers (kind "seed") or bigger-lr variants whose updates are visible in float32."""
+    if kind == "seed":
+        common = {"betas": (0.9, 0.99), "eps": 1e-07, "fused": True, "foreach": False}
+        return (
+            torch.optim.AdamW(tenc.parameters(), lr=1e-07, weight_decay=1e-3, **common),
+            torch.optim.AdamW(unet.parameters(), lr=1e-06, weight_decay=1e-2, **common),
+        )
+    if kind == "sgd":
+        return (
+            torch.optim.SGD(tenc.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+            torch.optim.SGD(unet.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-2),
+        )
+    flags = {"adamw-fused": {"fused": True}, "adamw-foreach": {"foreach": True}}[kind]
+    return (
+        torch.optim.AdamW(tenc.parameters(), lr=1e-2, weight_decay=1e-3, betas=(0.9, 0.99), eps=1e-7, **flags),
+        torch.optim.AdamW(unet.parameters(), lr=2e-2, weight_decay=1e-2, betas=(0.9, 0.99), eps=1e-7, **flags),
+    )
+
+
+def losses(tenc: nn.Module, unet: nn.Module, batch: tuple, dtype: torch.dtype | None, inf_unet: bool = False):
+    """The question's two losses from one forward: ``loss.mean()`` and ``(loss * mask).mean()``."""
+    x, target, mask = batch
+    with autocast(dtype):
+        model_pred = unet(tenc(x))
+        loss = F.mse_loss(model_pred, target, reduction="none")
+        loss_tenc = loss.mean()
+        loss_unet = (loss * mask).mean()
+    if inf_unet:
+        loss_unet = loss_unet * INF
+    return loss_tenc, loss_unet
+
+
+def loss_dict(tenc: nn.Module, unet: nn.Module, batch: tuple, dtype: torch.dtype | None) -> dict:
+    loss_tenc, loss_unet = losses(tenc, unet, batch, dtype)
+    return {"tenc": loss_tenc, "unet": loss_unet}
+
+
+class Setup:
+    """Two networks, two optimizers, two warmup_power schedulers, one optional GradScaler."""
+
+    def __init__(self, opt_kind: str, precision: str, seed: int = 0, schedule: tuple = (2, 2.0, 6)) -> None:
+        self.dtype, scaler_kwargs = PRECISIONS[precision]
+        self.tenc, self.unet = make_nets(seed)
+        self.opt_t, self.opt_u = seed_optimizers(self.tenc, self.unet, opt_kind)
+        self.sched_t = warmup_power(self.opt_t, *schedule)
+        self.sched_u = warmup_power(self.opt_u, *schedule)
+        self.scaler = make_scaler(scaler_kwargs)
+
+    def router(self, max_t: float | None = None, max_u: float | None = None, **kw: Any) -> gradroute.Router:
+        return gradroute.Router(
+            tenc=gradroute.Group(self.tenc, optimizer=self.opt_t, scheduler=self.sched_t, max_grad_norm=max_t),
+            unet=gradroute.Group(self.unet, optimizer=self.opt_u, scheduler=self.sched_u, max_grad_norm=max_u),
+            scaler=self.scaler,
+            **kw,
+        )
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for m in (self.tenc, self.unet) for p in m.parameters()]
+
+
+def reference_step(ref: Setup, batch: tuple, max_t: float | None, max_u: float | None, inf_unet: bool = False):
+    """One iteration written out as in PyTorch's AMP notes for two models, two losses, two optimizers.
+
+    Each loss gets its own forward (so each backward frees its own graph), every backward runs before any
+    optimizer steps, each optimizer is unscaled once, clipped, stepped; the scaler is updated once; a scheduler
+    steps when its optimizer's gradients were finite (the optimizer really stepped).
+    """
+    scaler = ref.scaler if ref.scaler is not None else torch.amp.GradScaler("cpu", enabled=False)
+    tenc_params, unet_params = list(ref.tenc.parameters()), list(ref.unet.parameters())
+    loss_tenc, _ = losses(ref.tenc, ref.unet, batch, ref.dtype)
+    scaler.scale(loss_tenc).backward(inputs=tenc_params)
+    _, loss_unet = losses(ref.tenc, ref.unet, batch, ref.dtype, inf_unet=inf_unet)
+    scaler.scale(loss_unet).backward(inputs=unet_params)
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.unscale_(ref.opt_t)
+    scaler.unscale_(ref.opt_u)
+    norms = []
+    for params, max_norm in ((tenc_params, max_t), (unet_params, max_u)):
+        if max_norm is None:
+            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
+        else:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+    lrs = [ref.opt_t.param_groups[0]["lr"], ref.opt_u.param_groups[0]["lr"]]
+    scaler.step(ref.opt_t)
+    scaler.step(ref.opt_u)
+    scaler.update()
+    for sched, norm in ((ref.sched_t, norms[0]), (ref.sched_u, norms[1])):
+        if math.isfinite(norm):
+            sched.step()
+    ref.opt_t.zero_grad(set_to_none=True)
+    ref.opt_u.zero_grad(set_to_none=True)
+    return {
+        "loss": [loss_tenc.item(), loss_unet.item()],
+        "grad_norm": norms,
+        "lr": lrs,
+        "scale": scale,
+    }
+
+
+def assert_params(actual: list[torch.Tensor], expected: list[torch.Tensor], rtol: float, atol: float) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------------- AMP against the reference
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw-foreach", "adamw-fused", "seed"])
+def test_step_matches_amp_reference(precision: str, opt_kind: str) -> None:
+    ours, ref = Setup(opt_kind, precision), Setup(opt_kind, precision)
+    router = ours.router(max_t=0.05)
+    for k, batch in enumerate(make_batches(3)):
+        expected = reference_step(ref, batch, 0.05, None)
+        loss_tenc, loss_unet = losses(ours.tenc, ours.unet, batch, ours.dtype)
+        router.backward(tenc=loss_tenc, unet=loss_unet)
+        stats = router.step()
+        assert not stats.accumulating and stats.step == k + 1 and stats.micro_step == 1
+        assert stats.scale == expected["scale"]
+        for i, name in enumerate(("tenc", "unet")):
+            s = stats[name]
+            assert not s.skipped
+            assert s.lr == expected["lr"][i]
+            assert s.loss == pytest.approx(expected["loss"][i], rel=1e-6)
+            assert s.grad_norm == pytest.approx(expected["grad_norm"][i], rel=1e-5)
+        assert_params(ours.params(), ref.params(), rtol=1e-5, atol=1e-7)
+        assert all(p.grad is None for m in (ours.tenc, ours.unet) for p in m.parameters())
+    assert ours.sched_t.last_epoch == ref.sched_t.last_epoch == 3
+    if ours.scaler is not None:
+        assert ours.scaler.state_dict() == ref.scaler.state_dict()
+
+
+@pytest.mark.parametrize("opt_kind", ["adamw-foreach", "adamw-fused", "sgd"])
+def test_inf_in_one_group_skips_only_that_optimizer(opt_kind: str) -> None:
+    ours, ref = Setup(opt_kind, "fp16-scaler"), Setup(opt_kind, "fp16-scaler")
+    router = ours.router(max_t=1.0)
+    batches = make_batches(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k, batch in enumerate(batches):
+            inject = k == 1
+            unet_before = [p.detach().clone() for p in ours.unet.parameters()]
+            opt_u_before = copy.deepcopy(ours.opt_u.state_dict())
+            scale_before = ours.scaler.get_scale()
+            reference_step(ref, batch, 1.0, None, inf_unet=inject)
+            loss_tenc, loss_unet = losses(ours.tenc, ours.unet, batch, ours.dtype, inf_unet=inject)
+            router.backward(tenc=loss_tenc, unet=loss_unet)
+            stats = router.step()
+            assert stats["unet"].skipped is inject
+            assert stats["tenc"].skipped is False
+            assert_params(ours.params(), ref.params(), rtol=1e-5, atol=1e-7)
+            if inject:
+                assert not math.isfinite(stats["unet"].grad_norm)
+                assert math.isfinite(stats["tenc"].grad_norm)
+                for before, p in zip(unet_before, ours.unet.parameters(), strict=True):
+                    assert torch.equal(before, p)  # the skipped network is unchanged, bit for bit
+                assert_state_equal(opt_u_before, ours.opt_u.state_dict())
+                assert ours.scaler.get_scale() == scale_before * 0.5  # backed off once, not once per optimizer
+                assert ours.sched_u.last_epoch == 1 and ours.sched_t.last_epoch == 2
+            assert ours.scaler.get_scale() == ref.scaler.get_scale()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
+    assert ours.sched_u.last_epoch == ref.sched_u.last_epoch == 2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-scaler"])
+def test_clipping_per_group_equals_clip_grad_norm_on_unscaled_grads(precision: str) -> None:
+    # SGD with lr 1 and no momentum: the update is exactly minus the clipped gradient.
+    dtype, scaler_kwargs = PRECISIONS[precision]
+    tenc, unet = make_nets()
+    opt_t, opt_u = torch.optim.SGD(tenc.parameters(), lr=1.0), torch.optim.SGD(unet.parameters(), lr=1.0)
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=opt_t, max_grad_norm=0.01),
+        unet=gradroute.Group(unet, optimizer=opt_u, max_grad_norm=0.02),
+        scaler=make_scaler(scaler_kwargs),
+    )
+    batch = make_batches(1)[0]
+    ref_t, ref_u = make_nets()
+    grads = []
+    for params, which in ((list(ref_t.parameters()), 0), (list(ref_u.parameters()), 1)):
+        loss = losses(ref_t, ref_u, batch, dtype)[which]  # independent forward per loss, unscaled
+        grads.append(torch.autograd.grad(loss, params))
+    before = [p.detach().clone() for m in (tenc, unet) for p in m.parameters()]
+    loss_tenc, loss_unet = losses(tenc, unet, batch, dtype)
+    router.backward(tenc=loss_tenc, unet=loss_unet)
+    stats = router.step()
+    after = [p.detach() for m in (tenc, unet) for p in m.parameters()]
+    expected_updates = []
+    for gs, max_norm, name in ((grads[0], 0.01, "tenc"), (grads[1], 0.02, "unet")):
+        clipped = [g.clone() for g in gs]
+        norm = torch.nn.utils.clip_grad_norm_([_with_grad(g) for g in clipped], max_norm)
+        assert float(norm) > max_norm  # clipping is active
+        assert stats[name].grad_norm == pytest.approx(float(norm), rel=1e-4)
+        expected_updates += clipped
+    for b, a, u in zip(before, after, expected_updates, strict=True):
+        torch.testing.assert_close(b - a, u, rtol=1e-3, atol=1e-6)
+
+
+def _with_grad(g: torch.Tensor) -> torch.Tensor:
+    """A leaf whose ``.grad`` is ``g`` itself, so ``clip_grad_norm_`` clips ``g`` in place."""
+    p = torch.zeros_like(g, requires_grad=True)
+    p.grad = g
+    return p
+
+
+def test_grad_hook_sees_unscaled_gradients_before_clipping_and_can_reweight() -> None:
+    tenc, unet = make_nets()
+    seen: list[torch.Tensor] = []
+
+    def hook(params: list[torch.Tensor]) -> None:
+        seen.extend(p.grad.clone() for p in params)
+        for p in params:
+            p.grad.mul_(2.0)
+
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=1.0), grad_hook=hook),
+        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=1.0)),
+        scaler=torch.amp.GradScaler("cpu", init_scale=1024.0),
+    )
+    batch = make_batches(1)[0]
+    ref_t, ref_u = make_nets()
+    expected = torch.autograd.grad(losses(ref_t, ref_u, batch, None)[0], list(ref_t.parameters()))
+    before = [p.detach().clone() for p in tenc.parameters()]
+    router.backward(loss_dict(tenc, unet, batch, None))
+    stats = router.step()
+    assert len(seen) == len(expected)
+    for s, e in zip(seen, expected, strict=True):
+        torch.testing.assert_close(s, e, rtol=1e-5, atol=1e-8)  # unscaled: not 1024 times larger
+    for b, p, e in zip(before, tenc.parameters(), expected, strict=True):
+        torch.testing.assert_close(b - p.detach(), 2.0 * e, rtol=1e-5, atol=1e-7)  # the hook's weighting applied
+    norm_after_hook = torch.linalg.vector_norm(torch.stack([2.0 * e.norm() for e in expected]))
+    assert stats["tenc"].grad_norm == pytest.approx(float(norm_after_hook), rel=1e-5)
+
+
+# ---------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("scaler_kwargs", [None, {"init_scale": 2.0**12}])
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_accumulation_equals_one_big_batch(accumulate: int, scaler_kwargs: dict | None) -> None:
+    tenc, unet = make_nets(dtype=torch.float64)
+    opt_t = torch.optim.SGD(tenc.parameters(), lr=0.1, momentum=0.9)
+    opt_u = torch.optim.SGD(unet.parameters(), lr=0.2, momentum=0.9)
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=opt_t),
+        unet=gradroute.Group(unet, optimizer=opt_u),
+        scaler=make_scaler(scaler_kwargs),
+        accumulate=accumulate,
+    )
+    ref_t, ref_u = make_nets(dtype=torch.float64)
+    ref_opt_t = torch.optim.SGD(ref_t.parameters(), lr=0.1, momentum=0.9)
+    ref_opt_u = torch.optim.SGD(ref_u.parameters(), lr=0.2, momentum=0.9)
+    for big in make_batches(2, size=8, dtype=torch.float64):
+        # Reference: one step on the whole batch, each loss with its own forward.
+        big_losses = []
+        for params, which in ((list(ref_t.parameters()), 0), (list(ref_u.parameters()), 1)):
+            loss = losses(ref_t, ref_u, big, None)[which]
+            big_losses.append(loss.item())
+            for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
+                p.grad = g
+        ref_opt_t.step()
+        ref_opt_u.step()
+        # Ours: the same batch in `accumulate` micro-batches, one forward each.
+        size = 8 // accumulate
+        for k in range(accumulate):
+            micro = tuple(t[k * size : (k + 1) * size] for t in big)
+            before = [p.detach().clone() for m in (tenc, unet) for p in m.parameters()]
+            router.backward(loss_dict(tenc, unet, micro, None))
+            stats = router.step()
+            assert stats.micro_step == k + 1
+            assert stats.accumulating is (k + 1 < accumulate)
+            if stats.accumulating:
+                assert_params([p.detach() for m in (tenc, unet) for p in m.parameters()], before, rtol=0, atol=0)
+        for i, name in enumerate(("tenc", "unet")):
+            assert stats[name].loss == pytest.approx(big_losses[i], rel=1e-6)
+        assert_params(
+            [p.detach() for m in (tenc, unet) for p in m.parameters()],
+            [p.detach() for m in (ref_t, ref_u) for p in m.parameters()],
+            rtol=1e-10,
+            atol=1e-12,
+        )
+
+
+def test_zero_grad_inside_a_window_restarts_it() -> None:
+    s = Setup("sgd", "fp32")
+    router = s.router(accumulate=3)
+    batches = make_batches(4)
+    router.backward(loss_dict(s.tenc, s.unet, batches[0], None))
+    assert router.step().micro_step == 1
+    router.zero_grad()
+    assert all(p.grad is None for m in (s.tenc, s.unet) for p in m.parameters())
+    with pytest.raises(RuntimeError, match="no `backward"):
+        router.step()
+    for k, batch in enumerate(batches[1:]):
+        router.backward(loss_dict(s.tenc, s.unet, batch, None))
+        stats = router.step()
+        assert stats.micro_step == k + 1
+    assert stats.accumulating is False and stats.step == 1
+
+
+def test_group_without_gradient_is_skipped_and_its_schedule_waits() -> None:
+    s = Setup("adamw-foreach", "fp16-scaler")
+    router = s.router()
+    unet_before = [p.detach().clone() for p in s.unet.parameters()]
+    loss_tenc, _ = losses(s.tenc, s.unet, make_batches(1)[0], s.dtype)
+    router.backward(tenc=loss_tenc)
+    stats = router.step()
+    assert stats["unet"].skipped and stats["unet"].loss is None and stats["unet"].grad_norm is None
+    assert not stats["tenc"].skipped and stats["tenc"].loss == pytest.approx(loss_tenc.item())
+    assert all(torch.equal(b, p) for b, p in zip(unet_before, s.unet.parameters(), strict=True))
+    assert s.opt_u.state_dict()["state"] == {}
+    assert (s.sched_t.last_epoch, s.sched_u.last_epoch) == (1, 0)
+
+
+# ---------------------------------------------------------------------- resume
+
+
+def _resume_run(seed: int) -> tuple[nn.Module, nn.Module, gradroute.Router, torch.amp.GradScaler]:
+    tenc, unet = make_nets(seed)
+    opt_t = torch.optim.AdamW(tenc.parameters(), lr=1e-2, weight_decay=1e-2, betas=(0.9, 0.99), fused=True)
+    opt_u = torch.optim.AdamW(unet.parameters(), lr=2e-2, weight_decay=1e-3, betas=(0.9, 0.99), fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    router = gradroute.Router(
+        tenc=gradroute.Group(
+            tenc, optimizer=opt_t, scheduler=warmup_power(opt_t, 3, 2.0, 10, random=True, seed=7), max_grad_norm=0.5
+        ),
+        unet=gradroute.Group(unet, optimizer=opt_u, scheduler=warmup_power(opt_u, 3, 5.0, 10, min_lr_ratio=0.1)),
+        scaler=scaler,
+        accumulate=2,
+    )
+    return tenc, unet, router, scaler
+
+
+def _micro_batch(tenc: nn.Module, unet: nn.Module, router: gradroute.Router, batch: tuple) -> None:
+    loss_tenc, loss_unet = losses(tenc, unet, batch, torch.float16)
+    router.backward(tenc=loss_tenc, unet=loss_unet)
+
+
+@pytest.mark.parametrize("save_at", ["after_step", "inside_window", "after_backward"])
+def test_resume_is_bit_identical(save_at: str, tmp_path: Path) -> None:
+    batches = make_batches(20, size=4)  # 10 real steps of 2 micro-batches
+    cut = {"after_step": 10, "inside_window": 11, "after_backward": 10}[save_at]
+
+    tenc_a, unet_a, router_a, scaler_a = _resume_run(0)
+    for batch in batches:
+        _micro_batch(tenc_a, unet_a, router_a, batch)
+        last_a = router_a.step()
+
+    tenc_b, unet_b, router_b, _ = _resume_run(0)
+    for batch in batches[:cut]:
+        _micro_batch(tenc_b, unet_b, router_b, batch)
+        router_b.step()
+    if save_at == "after_backward":
+        _micro_batch(tenc_b, unet_b, router_b, batches[cut])
+    path = tmp_path / "ckpt.pt"
+    torch.save({"tenc": tenc_b.state_dict(), "unet": unet_b.state_dict(), "router": router_b.state_dict()}, path)
+    del tenc_b, unet_b, router_b
+
+    tenc_c, unet_c, router_c, scaler_c = _resume_run(123)  # other weights: everything must come from the file
+    ckpt = torch.load(path, weights_only=True)
+    tenc_c.load_state_dict(ckpt["tenc"])
+    unet_c.load_state_dict(ckpt["unet"])
+    router_c.load_state_dict(ckpt["router"])
+    if save_at == "after_backward":
+        router_c.step()
+        cut += 1
+    for batch in batches[cut:]:
+        _micro_batch(tenc_c, unet_c, router_c, batch)
+        last_c = router_c.step()
+
+    for a, c in zip(
+        [*tenc_a.parameters(), *unet_a.parameters()], [*tenc_c.parameters(), *unet_c.parameters()], strict=True
+    ):
+        assert torch.equal(a, c)
+    assert scaler_c.state_dict() == scaler_a.state_dict()
+    assert scaler_a.get_scale() > 2.0**10  # the scale grew during the run, so its state mattered
+    assert last_c == last_a and last_c.step == last_a.step == 10
+    for name in ("tenc", "unet"):
+        assert router_c.groups[name].scheduler.state_dict() == router_a.groups[name].scheduler.state_dict()
+
+
+# ---------------------------------------------------------------------- the seed's setup and the docs
+
+
+def test_seed_setup_steps_with_the_scheduled_learning_rates() -> None:
+    s = Setup("seed", "fp16-scaler", schedule=(30, 5, 100))
+    router = s.router(max_t=1.0, max_u=1.0)
+    for k, batch in enumerate(make_batches(4)):
+        router.backward(loss_dict(s.tenc, s.unet, batch, s.dtype))
+        stats = router.step()
+        assert stats["tenc"].lr == pytest.approx(1e-07 * (k + 1) / 30, rel=1e-12)
+        assert stats["unet"].lr == pytest.approx(1e-06 * (k + 1) / 30, rel=1e-12)
+        assert not stats["tenc"].skipped and not stats["unet"].skipped
+    for opt in (s.opt_t, s.opt_u):
+        assert opt.defaults["fused"] is True
+        assert all(float(st["step"]) == 4 for st in opt.state.values())
+
+
+def test_docs_training_step_block_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "docs" / "training_step.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 1, "docs/training_step.md holds exactly one python block"
+    namespace: dict[str, Any] = {"__name__": "docs_training_step"}
+    exec(compile(blocks[0], "docs/training_step.md", "exec"), namespace)
+    stats = namespace["stats"]
+    assert stats.step == namespace["total_steps"] and not stats.accumulating
+    assert 0 < namespace["scheduler_tenc"].last_epoch <= namespace["total_steps"]
+    assert set(namespace["checkpoint"]["router"]["optimizers"]) == {"tenc", "unet"}
+    assert "0 {" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- call-order and configuration errors
+
+
+def _snapshot(s: Setup) -> tuple:
+    return (
+        [p.detach().clone() for m in (s.tenc, s.unet) for p in m.parameters()],
+        [None if p.grad is None else p.grad.clone() for m in (s.tenc, s.unet) for p in m.parameters()],
+        copy.deepcopy(s.opt_t.state_dict()),
+        copy.deepcopy(s.opt_u.state_dict()),
+        s.sched_t.last_epoch,
+        s.sched_u.last_epoch,
+        None if s.scaler is None else s.scaler.state_dict(),
+    )
+
+
+def assert_state_equal(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            assert_state_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_state_equal(x, y)
+    else:
+        assert a == b
+
+
+def _trained_once(precision: str = "fp16-scaler") -> tuple[Setup, gradroute.Router]:
+    s = Setup("adamw-foreach", precision)
+    router = s.router(max_t=1.0)
+    router.backward(loss_dict(s.tenc, s.unet, make_batches(1)[0], s.dtype))
+    router.step()
+    return s, router
+
+
+def _backward(s: Setup, router: gradroute.Router, seed: int = 2) -> None:
+    router.backward(loss_dict(s.tenc, s.unet, make_batches(1, seed=seed)[0], s.dtype))
+
+
+def test_step_without_backward_fails() -> None:
+    s = Setup("sgd", "fp32")
+    router = s.router()
+    with pytest.raises(RuntimeError, match=r"no `backward\(\)` since the last `step\(\)`"):
+        router.step()
+
+
+def test_step_twice_after_one_backward_fails() -> None:
+    s, router = _trained_once()
+    before = _snapshot(s)
+    with pytest.raises(RuntimeError, match=r"no `backward\(\)` since the last `step\(\)` \(state: ready\)"):
+        router.step()
+    assert_state_equal(before, _snapshot(s))
+
+
+def test_step_with_a_group_without_optimizer_fails() -> None:
+    tenc, unet = make_nets()
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)), unet=unet
+    )
+    loss_tenc, loss_unet = losses(tenc, unet, make_batches(1)[0], None)
+    router.backward(tenc=loss_tenc, unet=loss_unet)
+    grads = [p.grad.clone() for m in (tenc, unet) for p in m.parameters()]
+    params = [p.detach().clone() for m in (tenc, unet) for p in m.parameters()]
+    with pytest.raises(RuntimeError, match="needs an optimizer for every group; group `unet` has none"):
+        router.step()
+    for g, p, q in zip(grads, params, [p for m in (tenc, unet) for p in m.parameters()], strict=True):
+        assert torch.equal(g, q.grad) and torch.equal(p, q.detach())
+
+
+def test_optimizer_missing_group_parameters_fails() -> None:
+    tenc, unet = make_nets()
+    partial = torch.optim.SGD(tenc[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"is missing 2 parameter\(s\): `tenc\.2\.weight` \(8x8\), `tenc\.2\.bias`"):
+        gradroute.Router(tenc=gradroute.Group(tenc, optimizer=partial), unet=unet)
+
+
+def test_optimizer_with_extra_parameters_fails() -> None:
+    tenc, unet = make_nets()
+    both = torch.optim.SGD([*tenc.parameters(), *unet.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match=r"also holds 4 parameter\(s\): `unet\.0\.weight` \(8x8\)"):
+        gradroute.Router(tenc=gradroute.Group(tenc, optimizer=both), unet=unet)
+
+
+def test_optimizer_changed_after_construction_fails() -> None:
+    s, router = _trained_once()
+    _backward(s, router)
+    s.opt_t.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    before = _snapshot(s)
+    with pytest.raises(RuntimeError, match=r"also holds 1 parameter\(s\).*changed after the Router was built"):
+        router.step()
+    assert_state_equal(before, _snapshot(s))
+
+
+def test_same_parameters_in_two_stepped_groups_fails() -> None:
+    tenc, _ = make_nets()
+    with pytest.raises(ValueError, match="is in groups `a` and `b`, which both have an optimizer"):
+        gradroute.Router(
+            a=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
+            b=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
+        )
+
+
+@pytest.mark.parametrize("accumulate", [0, -2])
+def test_accumulate_below_one_fails(accumulate: int) -> None:
+    tenc, unet = make_nets()
+    with pytest.raises(ValueError, match=rf"`accumulate` must be >= 1, got {accumulate}"):
+        gradroute.Router(tenc=tenc, unet=unet, accumulate=accumulate)
+
+
+@pytest.mark.parametrize("accumulate", [2.0, "4", True, None])
+def test_accumulate_not_an_int_fails(accumulate: Any) -> None:
+    tenc, unet = make_nets()
+    with pytest.raises(TypeError, match=r"`accumulate` must be an int >= 1, got"):
+        gradroute.Router(tenc=tenc, unet=unet, accumulate=accumulate)
+
+
+def test_scheduler_of_another_groups_optimizer_fails() -> None:
+    tenc, unet = make_nets()
+    opt_t, opt_u = torch.optim.SGD(tenc.parameters(), lr=0.1), torch.optim.SGD(unet.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="scheduler of group `tenc` is bound to the optimizer of group `unet`"):
+        gradroute.Router(
+            tenc=gradroute.Group(tenc, optimizer=opt_t, scheduler=warmup_power(opt_u, 1, 1.0, 3)),
+            unet=gradroute.Group(unet, optimizer=opt_u),
+        )
+
+
+def test_scheduler_changed_to_another_optimizer_fails() -> None:
+    s, router = _trained_once()
+    _backward(s, router)
+    s.sched_t.optimizer = s.opt_u
+    before = _snapshot(s)
+    with pytest.raises(RuntimeError, match=r"bound to the optimizer of group `unet`.*changed after the Router"):
+        router.step()
+    assert_state_equal(before, _snapshot(s))
+
+
+def test_scheduler_without_optimizer_fails() -> None:
+    tenc, unet = make_nets()
+    sched = warmup_power(torch.optim.SGD(tenc.parameters(), lr=0.1), 1, 1.0, 3)
+    with pytest.raises(ValueError, match="group `tenc` has a `scheduler` but no `optimizer`"):
+        gradroute.Router(tenc=gradroute.Group(tenc, scheduler=sched), unet=unet)
+
+
+def test_reduce_lr_on_plateau_scheduler_fails() -> None:
+    tenc, unet = make_nets()
+    opt = torch.optim.SGD(tenc.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(TypeError, match="ReduceLROnPlateau, which steps on a metric"):
+        gradroute.Router(tenc=gradroute.Group(tenc, optimizer=opt, scheduler=plateau), unet=unet)
+
+
+def test_scaler_of_wrong_type_fails() -> None:
+    tenc, unet = make_nets()
+    with pytest.raises(TypeError, match=r"`scaler` must be a torch.amp.GradScaler or None, got float"):
+        gradroute.Router(tenc=tenc, unet=unet, scaler=65536.0)
+
+
+def test_step_after_manual_unscale_fails() -> None:
+    s, router = _trained_once()
+    _backward(s, router)
+    s.scaler.unscale_(s.opt_u)
+    before = _snapshot(s)
+    with pytest.raises(RuntimeError, match=r"scaler was already used on group `unet`'s optimizer.*stage UNSCALED"):
+        router.step()
+    assert_state_equal(before, _snapshot(s))
+
+
+def test_float16_gradients_with_scaler_fails() -> None:
+    tenc, unet = make_nets(dtype=torch.float16)
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
+        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
+        scaler=torch.amp.GradScaler("cpu", init_scale=1.0),
+    )
+    loss_tenc, loss_unet = losses(tenc, unet, make_batches(1, dtype=torch.float16)[0], None)
+    router.backward(tenc=loss_tenc, unet=loss_unet)
+    grads = [p.grad.clone() for m in (tenc, unet) for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"`tenc\.0\.weight` \(8x4\) of group `tenc` has float16 gradients"):
+        router.step()
+    assert all(
+        torch.equal(g, p.grad) for g, p in zip(grads, [p for m in (tenc, unet) for p in m.parameters()], strict=True)
+    )
+
+
+def test_load_state_dict_with_other_groups_fails() -> None:
+    _, router = _trained_once()
+    saved = router.state_dict()
+    other = Setup("adamw-foreach", "fp16-scaler", seed=3)
+    lone = gradroute.Router(tenc=gradroute.Group(other.tenc, optimizer=other.opt_t), scaler=other.scaler)
+    before = copy.deepcopy(other.opt_t.state_dict())
+    with pytest.raises(ValueError, match=r"has optimizers for groups \['tenc', 'unet'\], this Router for groups"):
+        lone.load_state_dict(saved)
+    assert_state_equal(before, other.opt_t.state_dict())
+
+
+def test_load_state_dict_without_scaler_fails() -> None:
+    _, router = _trained_once()
+    saved = router.state_dict()
+    fresh = Setup("adamw-foreach", "fp32", seed=3)
+    target = fresh.router()
+    before = _snapshot(fresh)
+    with pytest.raises(ValueError, match="holds a scaler's state; this Router has no `scaler`"):
+        target.load_state_dict(saved)
+    assert_state_equal(before, _snapshot(fresh))
+
+
+def test_load_state_dict_from_another_window_size_fails() -> None:
+    s = Setup("sgd", "fp32")
+    router = s.router(accumulate=3)
+    _backward(s, router)
+    router.step()
+    saved = router.state_dict()
+    other = Setup("sgd", "fp32")
+    with pytest.raises(ValueError, match="saved inside an accumulation window of 3 micro-batches; this Router has"):
+        other.router(accumulate=4).load_state_dict(saved)
+
+
+def test_load_state_dict_of_something_else_fails() -> None:
+    s = Setup("sgd", "fp32")
+    with pytest.raises(ValueError, match=r"is not from Router\.state_dict"):
+        s.router().load_state_dict(s.opt_t.state_dict())
+
+
+def test_stats_are_a_dict_of_group_stats() -> None:
+    s, router = _trained_once()
+    _backward(s, router)
+    stats = router.step()
+    assert isinstance(stats, dict) and set(stats) == {"tenc", "unet"}
+    assert isinstance(stats["tenc"], gradroute.GroupStats)
+    assert "StepStats(accumulating=False, micro_step=1/1, step=2" in repr(stats)
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    import gradroute._step
+
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = [
+        *doctest.DocTestFinder().find(gradroute._step, "gradroute._step", globs={}),
+        *doctest.DocTestFinder().find(gradroute.Router.step, "Router.step", globs={}),
+    ]
+    assert sum(len(t.examples) for t in tests) >= 8
+    for t in tests:
+        runner.run(t)
+    assert runner.summarize(verbose=False).failed == 0

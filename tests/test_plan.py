@@ -42,13 +42,20 @@ def test_seed_plan_cuts_at_text_encoder_output(seed_setup):
     tenc, unet, forward = seed_setup
     plan = gradroute.Router(tenc=tenc, unet=unet).plan(**forward())
     # the text-encoder loss goes first, retaining only through the shared UNet (input gradients only),
-    # then the UNet loss frees the UNet while computing its weight gradients, then the text encoder
+    # then the UNet loss frees the UNet while computing its weight gradients, then the text encoder's part
+    # of the first pass runs from the cut at its output and frees it
     assert plan.passes == (("tenc",), ("unet",))
+    assert [(c.groups[0], c.retain) for c in plan.calls] == [
+        ("tenc", False),
+        ("tenc", True),
+        ("unet", False),
+        ("tenc", False),
+    ]
     assert plan.kept_nodes == 0
     assert plan.leaks == {"tenc": ("unet",), "unet": ("tenc",)}
     retaining = [c for c in plan.calls if c.retain]
     assert len(retaining) == 1 and retaining[0].params == 0 and retaining[0].groups == ("tenc",)
-    assert plan.calls[-1].groups == ("unet",) and not plan.calls[-1].retain
+    assert plan.calls[-1].cuts_in == retaining[0].cuts_out
     n_tenc = len(list(tenc.parameters()))
     n_unet = len(list(unet.parameters()))
     assert sum(c.params for c in plan.calls if c.groups == ("tenc",)) == n_tenc

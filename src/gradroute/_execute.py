@@ -45,7 +45,7 @@ def execute(program: Program, *, accumulate: bool) -> list[dict[int, torch.Tenso
 
 def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
     nodes = program.graph.nodes
-    pending: dict[tuple[int, int], torch.Tensor] = {}
+    pending: dict[tuple[int, int, int], torch.Tensor] = {}  # (pass, node, input_nr) -> cut gradient
     collected: list[dict[int, torch.Tensor]] = [{} for _ in program.routes]
     for st in program.stages:
         outputs: list[torch.Tensor | GradientEdge] = []
@@ -54,10 +54,10 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
             t = program.routes[r].losses[k]
             outputs.append(t)
             seeds.append(torch.ones_like(t))
-        for key in st.cuts_in:
-            g_in = pending.pop(key, None)
+        for j, nr in st.cuts_in:
+            g_in = pending.pop((st.pass_index, j, nr), None)
             if g_in is not None:
-                outputs.append(GradientEdge(nodes[key[0]], key[1]))
+                outputs.append(GradientEdge(nodes[j], nr))
                 seeds.append(g_in)
         if not outputs:
             continue
@@ -73,8 +73,9 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
             if _FREED in str(e):
                 raise GraphFreedError(freed_message("a routed loss")) from e
             raise
-        for key, g in zip(st.cuts_out, res):
+        for (j, nr), g in zip(st.cuts_out, res):
             if g is not None:
+                key = (st.pass_index, j, nr)
                 prev = pending.get(key)
                 pending[key] = g if prev is None else prev + g
         owned: set[int] = set()

@@ -380,13 +380,14 @@ def _analyse(g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEd
         if nd:
             last[i] = max(_bits(nd), key=lambda k: pos[k])
 
-    stages: list[Stage] = []
-    calls: list[Call] = []
+    per_pass: list[tuple[list[Stage], list[list[int]]]] = []
     kept = 0
     for k in order:
-        st, k_kept = _stage_pass(g, k, routes, root_edges, pass_routes[k], need, last, target)
+        st, members_of, k_kept = _stage_pass(g, k, routes, root_edges, pass_routes[k], need, last, target)
         kept += k_kept
-        stages.extend(st)
+        per_pass.append((st, members_of))
+    stages = _schedule(g, per_pass, root_edges)
+    calls: list[Call] = []
 
     groups_of_pass = [tuple(routes[r].name for r in _bits(pass_routes[k])) for k in range(n_pass)]
     for s in stages:
@@ -424,10 +425,10 @@ def _stage_pass(
     need: list[int],
     last: list[int],
     target: dict[int, int],
-) -> tuple[list[Stage], int]:
+) -> tuple[list[Stage], list[list[int]], int]:
     """Split pass ``k`` into stages of one label each; fall back to one retaining call if the cut is not clean.
 
-    Returns the stages and the number of nodes whose last execution retains.
+    Returns the stages, the nodes each executes, and the number of nodes whose last execution retains.
     """
     succ, topo, leaf = g.succ, g.topo, g.leaf
     bit = 1 << k
@@ -467,7 +468,7 @@ def _stage_pass(
     if not any_retained or max(stage.values(), default=0) == 0:
         kept = sum(1 for i in stage if last[i] == k) if any_retained else 0
         tgt = sorted({j for i in stage for j, _ in succ[i] if target.get(j, 0) & bit} | set(leaf_root_targets))
-        return [
+        single = [
             Stage(
                 pass_index=k,
                 retain=any_retained,
@@ -478,17 +479,18 @@ def _stage_pass(
                 target_routes=[owner_route(j) for j in tgt],
                 nodes=len(stage),
             )
-        ], kept
+        ]
+        return single, [list(stage)], kept
 
     n_stages = max(stage.values()) + 1
     cuts_out: list[dict[tuple[int, int], None]] = [{} for _ in range(n_stages)]
     cuts_in: list[dict[tuple[int, int], None]] = [{} for _ in range(n_stages)]
     targets: list[set[int]] = [set() for _ in range(n_stages)]
-    counts = [0] * n_stages
+    members_of: list[list[int]] = [[] for _ in range(n_stages)]
     for j in leaf_root_targets:
         targets[0].add(j)
     for i, s in stage.items():
-        counts[s] += 1
+        members_of[s].append(i)
         for j, nr in succ[i]:
             if target.get(j, 0) & bit:
                 targets[s].add(j)
@@ -497,9 +499,11 @@ def _stage_pass(
                 cuts_out[s][key] = None
                 cuts_in[stage[j]][key] = None
     out = []
+    out_members = []
     for s in range(n_stages):
-        if not counts[s] and not losses_by_stage.get(s) and not targets[s]:
+        if not members_of[s] and not losses_by_stage.get(s) and not targets[s]:
             continue
+        out_members.append(members_of[s])
         tgt = sorted(targets[s])
         out.append(
             Stage(
@@ -510,10 +514,66 @@ def _stage_pass(
                 cuts_out=list(cuts_out[s]),
                 targets=[leaf[j] for j in tgt],
                 target_routes=[owner_route(j) for j in tgt],
-                nodes=counts[s],
+                nodes=len(members_of[s]),
             )
         )
-    return out, 0
+    return out, out_members, 0
+
+
+def _schedule(
+    g: Graph, per_pass: list[tuple[list[Stage], list[list[int]]]], root_edges: list[list[GradientEdge]]
+) -> list[Stage]:
+    """Interleave the passes' stages: downstream work first, as a plain backward would order it.
+
+    Constraints: a pass's stages run in order, and a retaining call through a node runs before the call that
+    frees it. Among the calls that may run, the one starting at the most recently created node (highest
+    autograd sequence number) goes first: e.g. the text encoder's deferred part runs after the UNet pass,
+    so the UNet's activations are freed before the text encoder's weight gradients are allocated.
+    """
+    stages: list[Stage] = []
+    members: list[list[int]] = []
+    owner: list[int] = []
+    for k, (st, mem) in enumerate(per_pass):
+        stages.extend(st)
+        members.extend(mem)
+        owner.extend([k] * len(st))
+    n = len(stages)
+    if n <= 1:
+        return stages
+    frees: dict[int, int] = {}
+    for sid, st in enumerate(stages):
+        if not st.retain:
+            for v in members[sid]:
+                frees[v] = sid
+    deps: list[set[int]] = [set() for _ in range(n)]
+    for sid in range(1, n):
+        if owner[sid] == owner[sid - 1]:
+            deps[sid].add(sid - 1)
+    for sid, st in enumerate(stages):
+        if st.retain:
+            for v in members[sid]:
+                f = frees.get(v)
+                if f is not None and f != sid:
+                    deps[f].add(sid)
+
+    def seq(i: int) -> int:
+        try:
+            return int(g.nodes[i]._sequence_nr())
+        except (AttributeError, RuntimeError):
+            return -1
+
+    key = []
+    for st in stages:
+        starts = [g.index[root_edges[r][t].node] for r, t in st.losses] + [j for j, _ in st.cuts_in]
+        key.append(max((seq(i) for i in starts), default=-1))
+    done: set[int] = set()
+    order: list[int] = []
+    while len(order) < n:
+        ready = [sid for sid in range(n) if sid not in done and deps[sid] <= done]
+        sid = max(ready, key=lambda s: (key[s], -s))
+        done.add(sid)
+        order.append(sid)
+    return [stages[sid] for sid in order]
 
 
 def _number_stages(

@@ -135,7 +135,9 @@ class Stepper:
         self._phase = _Phase.READY
         self._micro = 0  # micro-batches of the current window already closed by step()
         self._steps = 0  # real steps done
-        self._losses: dict[str, list[torch.Tensor]] = {}  # detached loss values of the window
+        # Per group, the detached sum of the window's loss values: one scalar each, so a router whose step() is
+        # never called (optimizers stepped by hand) does not grow.
+        self._losses: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}  # of the backward in progress
 
     # ------------------------------------------------------------------ backward
@@ -162,7 +164,8 @@ class Stepper:
     def after_backward(self, routes: list[Route]) -> None:
         """The backward of ``routes`` is done: keep its loss values for the stats; ``step()`` may follow."""
         for name, value in self._pending.items():
-            self._losses.setdefault(name, []).append(value)
+            prev = self._losses.get(name)
+            self._losses[name] = value if prev is None else prev.to(value.device) + value
         self._pending = {}
         self._phase = _Phase.BACKWARD
 
@@ -266,11 +269,7 @@ class Stepper:
         return not all(bool(torch.isfinite(p.grad).all()) for p in g.params if p.grad is not None)
 
     def _take_losses(self) -> dict[str, float]:
-        out = {}
-        for name, values in self._losses.items():
-            device = values[0].device
-            total = torch.stack([v.to(device=device, dtype=torch.float32) for v in values]).sum()
-            out[name] = float(total) / self.accumulate
+        out = {name: float(total) / self.accumulate for name, total in self._losses.items()}
         self._losses = {}
         return out
 
@@ -339,7 +338,7 @@ class Stepper:
             "micro_step": self._micro,
             "steps": self._steps,
             "backward_pending": self._phase is _Phase.BACKWARD,
-            "losses": {n: [float(v) for v in vs] for n, vs in self._losses.items()},
+            "losses": {n: float(v) for n, v in self._losses.items()},
             "grads": (
                 {
                     n: [None if p.grad is None else p.grad.detach().clone() for p in g.params]
@@ -370,7 +369,7 @@ class Stepper:
                 p.grad = None if saved is None or saved[k] is None else saved[k].detach().to(p).clone()
         self._micro = int(sd["micro_step"])
         self._steps = int(sd["steps"])
-        self._losses = {n: [torch.tensor(float(v)) for v in vs] for n, vs in sd["losses"].items()}
+        self._losses = {n: torch.tensor(float(v), dtype=torch.float64) for n, v in sd["losses"].items()}
         self._pending = {}
         self._phase = _Phase.BACKWARD if sd["backward_pending"] else _Phase.READY
 
@@ -507,9 +506,9 @@ def _check_step_parts(groups: Mapping[str, Group]) -> None:
 
 
 def _loss_value(losses: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The detached sum of a route's loss tensors (no host sync)."""
-    total = losses[0].detach().reshape(())
-    for t in losses[1:]:
+    """The detached sum of a route's loss tensors, in at least float32 (no host sync)."""
+    total = torch.zeros((), dtype=torch.float32, device=losses[0].device)
+    for t in losses:
         total = total + t.detach().reshape(()).to(total.device)
     return total
 

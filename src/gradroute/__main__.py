@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=_int, default=0, help="seed for models and batch (default 0)")
     bench.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of time and memory bars")
+    bench.add_argument(
+        "--no-memory", action="store_true", help="skip the peak-memory measurement (on CPU: a process each)"
+    )
     bench.add_argument("--_one", default=None, help=argparse.SUPPRESS)  # child process of a CPU run
     return parser
 

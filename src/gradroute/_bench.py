@@ -398,7 +398,9 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(total, f"bench {wl.name}")
     results = measure(r, strategies, steps=args.steps, warmup=args.warmup, progress=progress)
     ok = [s for s in strategies if "error" not in results[s]]
-    if dev.type == "cuda":
+    if args.no_memory:
+        method = "not measured (--no-memory)"
+    elif dev.type == "cuda":
         for s in ok:
             results[s]["peak_mib"] = _cuda_peak(r, s) / 2**20
             progress.update(1, f"memory {s}")
@@ -411,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
         for s in ok:
             results[s]["peak_mib"] = peaks[s].get("peak_mib")
             if "method" in peaks[s]:
-                method = f"{method} ({peaks[s]['method']})"
+                method = f"{method} ({peaks[s]['method']}, 1 thread)"
             if "error" in peaks[s]:
                 results[s]["memory_error"] = peaks[s]["error"]
     progress.close()

@@ -114,3 +114,27 @@ def test_cache_misses_when_the_graph_changes():
     router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
     router.backward(a=b(a(x).relu()).sum(), b=b(a(x)).pow(2).sum())  # one more node
     assert router._cache.misses == 2 and router._cache.hits == 0
+
+
+def test_plan_suggests_gradroute_checkpoint_for_torch_checkpointed_shared_segments():
+    from torch.utils.checkpoint import checkpoint
+
+    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()).to(D)
+    x = torch.randn(2, 3, dtype=D)
+    out = checkpoint(b, a(x), use_reentrant=False)
+    plan = gradroute.Router(a=a, b=b).plan(a=out.sum(), b=out.pow(2).sum())
+    assert len(plan.notes) == 1 and "gradroute.checkpoint shares one recomputation" in plan.notes[0]
+    assert "note: " in str(plan)
+    out = gradroute.checkpoint(b, a(x))
+    assert gradroute.Router(a=a, b=b).plan(a=out.sum(), b=out.pow(2).sum()).notes == ()
+
+
+def test_reentrant_checkpoint_fails_clearly():
+    from torch.utils.checkpoint import checkpoint
+
+    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
+    x = torch.randn(2, 3, dtype=D)
+    out = checkpoint(b, a(x), use_reentrant=True)
+    with pytest.raises(ValueError, match=r"reentrant torch.utils.checkpoint segment \(use_reentrant=True\)"):
+        gradroute.Router(a=a, b=b).backward(a=out.sum(), b=out.pow(2).sum())
+    assert all(p.grad is None for p in [*a.parameters(), *b.parameters()])

@@ -22,6 +22,7 @@ class Graph:
         topo: node ids in topological order (a node comes before every node it sends gradient to).
         leaf: node id -> the leaf tensor of an ``AccumulateGrad`` node.
         index: node -> id.
+        kinds: the node classes present.
         signature: the graph's structure as a flat list (node classes, edges, which leaves are the given
             parameters, by identity): two graphs with equal signatures get the same plan.
     """
@@ -32,6 +33,7 @@ class Graph:
     leaf: dict[int, torch.Tensor]
     index: dict[Node, int]
     signature: list
+    kinds: set[type]
 
 
 def root_edge(tensor: torch.Tensor) -> GradientEdge:
@@ -52,10 +54,13 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
             nodes.append(r)
     succ: list[list[tuple[int, int]]] = []
     sig: list = [len(roots), *(index[r] for r in roots)]
+    kinds: set[type] = set()
     i = 0
     while i < len(nodes):
         node = nodes[i]
-        sig.append(type(node))
+        kind = type(node)
+        kinds.add(kind)
+        sig.append(kind)
         out: list[tuple[int, int]] = []
         for fn, nr in node.next_functions:
             if fn is None:
@@ -91,4 +96,4 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
                 leaf[i] = var
                 sig.append(i)
                 sig.append(params.get(id(var), 0))
-    return Graph(nodes=nodes, succ=succ, topo=topo, leaf=leaf, index=index, signature=sig)
+    return Graph(nodes=nodes, succ=succ, topo=topo, leaf=leaf, index=index, signature=sig, kinds=kinds)

@@ -88,6 +88,7 @@ class Plan:
     calls: tuple[Call, ...]
     kept_nodes: int
     graph_nodes: int
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         names = self.groups
@@ -146,6 +147,11 @@ class Plan:
             lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)))
         lines.append("")
         lines.append("retain=yes: the call's nodes are needed again by a later pass; each node's last call frees it.")
+        if self.kept_nodes:
+            lines.append(
+                f"kept: {self.kept_nodes} nodes could not be cut cleanly and stay alive until the losses are dropped."
+            )
+        lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
 
@@ -173,6 +179,7 @@ class Program:
     routes: Sequence[Route]
     stages: list[Stage] = field(default_factory=list)
     unreached: list[str] = field(default_factory=list)
+    shared: list[int] = field(default_factory=list)  # nodes that more than one call executes
 
 
 @dataclass(eq=False)
@@ -183,6 +190,7 @@ class _Cached:
     plan: Plan
     stages: list[Stage]
     unreached: list[str]
+    shared: list[int]
 
 
 class PlanCache:
@@ -236,18 +244,25 @@ def build(routes: Sequence[Route], *, merge_shared: bool = True, cache: PlanCach
         for p in route.params:
             marks.setdefault(id(p), len(marks) + 1)
     g = walk(roots, marks)
+    if any(t.__name__ == "CheckpointFunctionBackward" for t in g.kinds):
+        raise ValueError(
+            "the losses' graph contains a reentrant torch.utils.checkpoint segment (use_reentrant=True): its "
+            "backward refuses `torch.autograd.grad` and `backward(inputs=...)`, which routing needs, and hides "
+            "the parameters inside it; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or "
+            "gradroute.checkpoint"
+        )
     key = (merge_shared, tuple((r.name, len(r.losses)) for r in routes))
     hit = cache.entries.get(key) if cache is not None else None
     if hit is not None and hit.signature == g.signature:
         cache.hits += 1  # type: ignore[union-attr]
-        return Program(plan=hit.plan, graph=g, routes=routes, stages=hit.stages, unreached=hit.unreached)
+        return Program(hit.plan, g, routes, hit.stages, hit.unreached, hit.shared)
     program = _analyse(g, routes, root_edges, merge_shared)
     if cache is not None:
         cache.misses += 1
         cache.entries.pop(key, None)
         if len(cache.entries) >= cache.size:
             cache.entries.pop(next(iter(cache.entries)))
-        cache.entries[key] = _Cached(g.signature, program.plan, program.stages, program.unreached)
+        cache.entries[key] = _Cached(g.signature, program.plan, program.stages, program.unreached, program.shared)
     return program
 
 
@@ -413,7 +428,8 @@ def _analyse(g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEd
         kept_nodes=kept,
         graph_nodes=n,
     )
-    return Program(plan=plan, graph=g, routes=routes, stages=stages, unreached=unreached)
+    shared = [i for i in range(n) if need[i] & (need[i] - 1)]
+    return Program(plan=plan, graph=g, routes=routes, stages=stages, unreached=unreached, shared=shared)
 
 
 def _stage_pass(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ._distributed import live_params
 from ._execute import GraphFreedError, execute, freed_message
 from ._group import Group, GroupLike
 from ._plan import Plan, PlanCache, Program, Route, build
@@ -137,7 +139,18 @@ class Router:
     def plan(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> Plan:
         """What :meth:`backward` would do with these losses; nothing is run. ``print(plan)`` shows a table."""
         routes = self._routes(losses, named_losses, "plan")
-        return self._program(routes, merge_shared=True).plan
+        program = self._program(routes, merge_shared=True)
+        from ._checkpoint import checkpoint_kind
+
+        nodes = program.graph.nodes
+        torch_ckpt = sum(1 for i in program.shared if checkpoint_kind(nodes[i]) == "torch")
+        if not torch_ckpt:
+            return program.plan
+        note = (
+            f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call: torch "
+            "recomputes their segments once per call; gradroute.checkpoint shares one recomputation per backward"
+        )
+        return dataclasses.replace(program.plan, notes=(*program.plan.notes, note))
 
     def step(self) -> StepStats:
         """Close a micro-batch; on every ``accumulate``-th call, step every group's optimizer and scheduler.
@@ -255,7 +268,7 @@ class Router:
                         "(under torch.no_grad(), from detached tensors, or from frozen parameters)"
                     )
                 _check_not_freed(t, label)
-            routes.append(Route(name=name, losses=tensors, params=group.params))
+            routes.append(Route(name=name, losses=tensors, params=live_params(group.params)))
         return routes
 
     def _program(self, routes: list[Route], *, merge_shared: bool) -> Program:

@@ -61,13 +61,17 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
                 seeds.append(g_in)
         if not outputs:
             continue
-        cuts = [GradientEdge(nodes[j], nr) for j, nr in st.cuts_out]
+        cuts: list[torch.Tensor | GradientEdge] = [GradientEdge(nodes[j], nr) for j, nr in st.cuts_out]
         try:
             if accumulate and not cuts:
-                torch.autograd.backward(outputs, seeds, retain_graph=st.retain, inputs=st.targets)
+                torch.autograd.backward(outputs, seeds, retain_graph=st.retain, inputs=st.targets)  # type: ignore[arg-type]
                 continue
             res = torch.autograd.grad(
-                outputs, cuts + st.targets, grad_outputs=seeds, retain_graph=st.retain, allow_unused=True
+                outputs,  # type: ignore[arg-type]
+                cuts + st.targets,  # type: ignore[arg-type]
+                grad_outputs=seeds,
+                retain_graph=st.retain,
+                allow_unused=True,
             )
         except RuntimeError as e:
             if _FREED in str(e):

@@ -549,10 +549,10 @@ def _schedule(
     stages: list[Stage] = []
     members: list[list[int]] = []
     owner: list[int] = []
-    for k, (st, mem) in enumerate(per_pass):
-        stages.extend(st)
+    for k, (pass_stages, mem) in enumerate(per_pass):
+        stages.extend(pass_stages)
         members.extend(mem)
-        owner.extend([k] * len(st))
+        owner.extend([k] * len(pass_stages))
     n = len(stages)
     if n <= 1:
         return stages

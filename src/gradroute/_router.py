@@ -108,8 +108,9 @@ class Router:
             losses: ``group name -> loss``; a loss is a scalar tensor or a list of scalar tensors (summed).
             **named_losses: the same, by keyword.
 
-        With a ``scaler`` or ``accumulate > 1`` each loss is scaled (and divided by ``accumulate``) first,
-        and :meth:`step` is to be called after each ``backward``.
+        With a ``scaler`` or ``accumulate > 1`` each loss is divided by ``accumulate`` and scaled first.
+        :meth:`step` closes a micro-batch: call it once per micro-batch, after that micro-batch's
+        ``backward`` call(s); it steps the optimizers on every ``accumulate``-th call.
 
         Raises:
             ValueError, TypeError: a bad loss or group name; raised before any ``.grad`` is touched.

@@ -20,8 +20,9 @@ $(STAMP)-core: $(PY) pyproject.toml
 	$(PIP) install -q -e ".[demo]"
 	touch $@
 
+# the integration tests run the examples on diffusers, transformers, peft, accelerate and lightning
 $(STAMP)-test: $(STAMP)-core
-	$(PIP) install -q "$(TORCH_SPEC)" -e ".[demo,test,dev]"
+	$(PIP) install -q "$(TORCH_SPEC)" -e ".[demo,test,dev,diffusers,peft,accelerate,lightning]"
 	touch $@
 
 demo: $(STAMP)-core

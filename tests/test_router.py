@@ -522,3 +522,21 @@ def test_backward_twice_on_same_losses_fails_plainly(chain):
 def test_allow_unreached_unknown_name_fails():
     with pytest.raises(ValueError, match=r"`allow_unreached` names unknown group `vae`"):
         gradroute.Router(a=mlp(2, 2), allow_unreached=["vae"])
+
+
+def test_freed_check_does_not_unpack_checkpointed_tensors():
+    """Probing for a freed graph must not run saved-tensor hooks (a checkpoint would recompute)."""
+    tenc, unet = mlp(4, 6), mlp(6, 3)
+    calls = []
+
+    def segment(h):
+        calls.append(1)
+        return unet(h)
+
+    x = torch.randn(5, 4, dtype=D)
+    out = checkpoint(segment, tenc(x), use_reentrant=False)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    router.plan(tenc=out.mean(), unet=out.pow(2).mean())
+    assert len(calls) == 1  # the forward only
+    router.backward(tenc=out.mean(), unet=out.pow(2).mean())
+    assert len(calls) == 3  # torch's checkpoint recomputes once per engine call that enters the segment

@@ -290,26 +290,42 @@ class Router:
         return program
 
 
+_RAW_SAVED: dict[type, tuple[str, ...]] = {}
+
+
 def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:
-    """Raise a plain error if the graph below ``t`` was freed: probe the saved tensors of the first nodes."""
+    """Raise a plain error if the graph below ``t`` was freed by an earlier backward.
+
+    Looks at the raw saved tensors of the first ``probe`` nodes below ``t`` without unpacking them (unpacking
+    would run saved-tensor hooks, e.g. a checkpoint's recomputation). A non-retaining backward empties them
+    all; a live graph has some defined one near the loss. A graph freed only in part is reported by the
+    engine, which ``_execute`` turns into the same error.
+    """
     fn = t.grad_fn
     if fn is None:
         return
     frontier = [fn]
     seen = {fn}
-    checked = 0
-    while frontier and checked < probe:
+    saved = empty = 0
+    while frontier and len(seen) <= probe:
         node = frontier.pop(0)
-        checked += 1
-        for attr in dir(node):
-            if attr.startswith("_saved_"):
-                try:
-                    getattr(node, attr)
-                except RuntimeError as e:
-                    if "second time" in str(e) or "freed" in str(e):
-                        raise GraphFreedError(freed_message(label)) from None
-                    raise
+        kind = type(node)
+        names = _RAW_SAVED.get(kind)
+        if names is None:
+            names = _RAW_SAVED[kind] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+        for attr in names:
+            raw = getattr(node, attr)
+            for item in raw if isinstance(raw, (list, tuple)) else (raw,):
+                if item is None:
+                    continue
+                saved += 1
+                if item.data is None and item.unpack_hook is None:
+                    empty += 1
+        if saved and empty < saved:
+            return
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
                 frontier.append(nxt)
+    if saved and empty == saved:
+        raise GraphFreedError(freed_message(label))

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ._distributed import GradSync, group_params
 from ._group import Group, describe_param, optimizer_mismatch, scheduler_mismatch
 from ._plan import Route
 
@@ -139,6 +140,8 @@ class Stepper:
         # never called (optimizers stepped by hand) does not grow.
         self._losses: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}  # of the backward in progress
+        self._sync = GradSync(group_params(groups))  # DDP/FSDP2 wrappers: no gradient sync until a window's last
+        self._sync.next_micro_batch(0, self.accumulate)
 
     # ------------------------------------------------------------------ backward
 
@@ -148,6 +151,7 @@ class Stepper:
 
     def before_backward(self, routes: list[Route]) -> list[Route]:
         """Record the losses' values; return routes whose losses are divided by ``accumulate`` and scaled."""
+        self._sync.check(routes)
         self._pending = {r.name: _loss_value(r.losses) for r in routes}
         if not self._scaling and self.accumulate == 1:
             return routes
@@ -183,6 +187,7 @@ class Stepper:
         if micro < self.accumulate:
             self._micro = micro
             self._phase = _Phase.READY
+            self._sync.next_micro_batch(micro, self.accumulate)
             return StepStats(
                 {n: _group_stats(g, None, None, skipped=False) for n, g in self.groups.items()},
                 accumulating=True,
@@ -237,6 +242,7 @@ class Stepper:
         losses = self._take_losses()
         self._micro = 0
         self._steps += 1
+        self._sync.next_micro_batch(0, self.accumulate)
         self._phase = _Phase.READY
         stats = {
             name: GroupStats(
@@ -328,6 +334,7 @@ class Stepper:
         self._micro = 0
         self._losses = {}
         self._phase = _Phase.READY
+        self._sync.next_micro_batch(0, self.accumulate)
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizers, schedulers, scaler, counters; and the window's gradients when saved inside one."""
@@ -368,6 +375,7 @@ class Stepper:
             for k, p in enumerate(g.params):
                 p.grad = None if saved is None or saved[k] is None else saved[k].detach().to(p).clone()
         self._micro = int(sd["micro_step"])
+        self._sync.next_micro_batch(self._micro, self.accumulate)
         self._steps = int(sd["steps"])
         self._losses = {n: torch.tensor(float(v), dtype=torch.float64) for n, v in sd["losses"].items()}
         self._pending = {}

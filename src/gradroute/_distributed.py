@@ -1,0 +1,238 @@
+"""DDP and FSDP2 under the router: which tensors the routed passes target, and the wrappers' sync switches.
+
+Why routed passes are exact under ``DistributedDataParallel`` (torch 2.4+; checked with gloo, 2 processes):
+
+* DDP's reducer hooks every parameter's ``AccumulateGrad`` node (a post hook). A hook marks the parameter
+  ready; when every parameter of a bucket is ready, the bucket is all-reduced; when every bucket is done,
+  ``finalize_backward`` is queued on the engine call running at that moment and the averaged bucket is copied
+  back into ``.grad`` at the end of that call.
+* The router runs several engine calls for one forward. Each call executes the ``AccumulateGrad`` nodes of
+  its own targets only (``inputs=``), so every parameter is marked ready exactly once per backward, in
+  whichever call accumulates it: no "marked ready twice", and a bucket that mixes parameters of two groups is
+  all-reduced in the later of their calls. The value read into the bucket is the parameter's full ``.grad``,
+  so micro-batches accumulated under ``no_sync`` are included, as with a plain backward.
+* Whether a backward synchronizes is decided by DDP's *forward* (``require_backward_grad_sync`` read in
+  ``_post_forward``, which arms the reducer), not by the backward: a ``no_sync()`` around the backward alone
+  still all-reduces. For gradient accumulation the flag must therefore be set before the next micro-batch's
+  forward: :class:`GradSync` does that when the router closes a micro-batch.
+* ``static_graph=True`` does not fit several engine calls: on the first iteration DDP queues its delayed
+  all-reduce on the first engine call that crosses its output (``_DDPSink``), which ends before the later
+  routed passes have produced their gradients; those parameters are then recorded as unused for good. It is
+  refused. ``find_unused_parameters=True`` works.
+
+FSDP2 (``fully_shard``): the registered parameters are sharded DTensors, but the forward runs on the
+unsharded parameters (``FSDPParam._unsharded_param``, one tensor object reused across iterations) and the
+graph's ``AccumulateGrad`` nodes hold those. :func:`live_params` maps a group's sharded parameters to them, so
+the routed passes target what the graph holds; FSDP2's own hooks (pre-backward unshard on the module outputs,
+post-backward reduce-scatter on the module inputs and in the root's end-of-backward callback) then move the
+unsharded gradients into the sharded ``.grad`` as after a plain backward.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._plan import Route
+
+_FSDP_INTERNALS = (
+    "gradroute maps FSDP2's sharded parameters to the unsharded tensors its forward uses through FSDP2 "
+    "internals (torch.distributed._composable_state._module_state_mapping, FSDPParam.sharded_param and "
+    "_unsharded_param), which this torch version does not have"
+)
+
+
+def _dtensor_type() -> type | None:
+    """``DTensor`` if ``torch.distributed.tensor`` was imported (no DTensor can exist otherwise), else None."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def _fsdp_params() -> dict[int, Any] | None:
+    """``id(sharded parameter) -> FSDPParam`` for every live FSDP2 state; None if the internals are missing."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return None
+    out: dict[int, Any] = {}
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        if isinstance(state, FSDPState):
+            for group in _param_groups(state):
+                for fp in group.fsdp_params:
+                    out[id(fp.sharded_param)] = fp
+    return out
+
+
+def _param_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.10 has one group per state
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def live_params(params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors that hold ``params``' gradients in the autograd graph of the current forward.
+
+    A plain parameter is itself. A parameter sharded by FSDP2's ``fully_shard`` (a DTensor) is replaced by the
+    unsharded parameter its forward used; a DTensor FSDP2 does not manage (tensor parallel) is itself. Costs
+    one dictionary lookup unless ``torch.distributed.tensor`` was imported.
+
+    Raises:
+        RuntimeError: DTensor parameters with a torch whose FSDP2 internals gradroute does not know.
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None or not any(isinstance(p, dtensor) for p in params):
+        return params
+    mapping = _fsdp_params()
+    if mapping is None:
+        raise RuntimeError(_FSDP_INTERNALS)
+    out = []
+    for p in params:
+        fp = mapping.get(id(p)) if isinstance(p, dtensor) else None
+        if fp is None:
+            out.append(p)
+            continue
+        unsharded = getattr(fp, "_unsharded_param", None)
+        # before the first forward there is no unsharded parameter yet (and no graph that could reach it)
+        out.append(unsharded if isinstance(unsharded, torch.Tensor) else p)
+    return tuple(out)
+
+
+def _ddp_class() -> type | None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel
+
+
+def find_ddp(params: Iterable[torch.Tensor]) -> list[torch.nn.Module]:
+    """The live ``DistributedDataParallel`` modules that hold any of ``params``.
+
+    DDP keeps no registry and leaves no mark on the parameters it wraps, so this scans the objects the garbage
+    collector tracks (a fraction of a second on a large process; :class:`GradSync` does it at most twice).
+    Empty unless ``torch.distributed`` is initialized.
+    """
+    ddp_class = _ddp_class()
+    if ddp_class is None:
+        return []
+    ids = {id(p) for p in params}
+    found = []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), ddp_class) and any(id(p) in ids for p in obj.module.parameters()):
+            found.append(obj)
+    return found
+
+
+def find_fsdp(params: Iterable[torch.Tensor]) -> list[torch.nn.Module]:
+    """The FSDP2 modules (``fully_shard``) whose own parameter groups hold any of ``params`` (sharded)."""
+    if _dtensor_type() is None:
+        return []
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return []
+    ids = {id(p) for p in params}
+    found: dict[int, torch.nn.Module] = {}
+    for module, ref in list(_module_state_mapping.items()):
+        state = ref()
+        if not isinstance(state, FSDPState):
+            continue
+        if any(id(fp.sharded_param) in ids for g in _param_groups(state) for fp in g.fsdp_params):
+            found[id(module)] = module
+    return list(found.values())
+
+
+class GradSync:
+    """The DDP and FSDP2 wrappers of a router's parameters: checks, and gradient sync for accumulation.
+
+    With ``accumulate > 1`` the wrappers skip gradient communication on every micro-batch but the last of a
+    window: DDP's ``require_backward_grad_sync`` (what ``no_sync()`` switches, read by DDP's forward) and
+    FSDP2's ``set_requires_gradient_sync``. The router sets them when it closes a micro-batch, for the next
+    forward, so each wrapped module communicates once per real step. With ``accumulate == 1`` nothing is
+    switched (a ``no_sync()`` of the caller's own is left alone).
+
+    Args:
+        params: every parameter of the router's groups.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._params = tuple(params)
+        self._ddp: list[weakref.ref] = []
+        self._scans = 0
+        self._scan()
+
+    def _scan(self) -> None:
+        if self._scans >= 2:
+            return
+        if _ddp_class() is None:
+            return
+        self._scans += 1
+        self._ddp = [weakref.ref(m) for m in find_ddp(self._params)]
+
+    def ddp(self) -> list[torch.nn.Module]:
+        """The DDP modules found (alive)."""
+        return [m for m in (r() for r in self._ddp) if m is not None]
+
+    def check(self, routes: Sequence[Route]) -> None:
+        """Refuse, before anything is touched, what DDP cannot do with these routed passes.
+
+        Raises:
+            ValueError: a DDP module with ``static_graph=True``; a DDP module (without
+                ``find_unused_parameters``) that synchronizes this backward and holds trainable parameters
+                the routed groups leave out (DDP would wait for their gradients).
+        """
+        if self._scans == 1:  # the wrappers may have been built after the router: look once more
+            self._scan()
+        modules = self.ddp()
+        if not modules:
+            return
+        routed: set[int] = set()
+        for r in routes:
+            routed.update(id(p) for p in r.params)
+        for m in modules:
+            if getattr(m, "static_graph", False):
+                raise ValueError(
+                    f"DistributedDataParallel({type(m.module).__name__}) has `static_graph=True`, which assumes "
+                    "one backward per forward: its first-iteration all-reduce runs at the end of the first "
+                    "engine call, before the router's later passes have produced their gradients. Build the "
+                    "DDP with static_graph=False (the default); find_unused_parameters=True also works"
+                )
+            if getattr(m, "find_unused_parameters", False) or not getattr(m, "require_backward_grad_sync", True):
+                continue
+            left = [n for n, p in m.module.named_parameters() if p.requires_grad and id(p) not in routed]
+            if left and len(left) < sum(1 for p in m.module.parameters() if p.requires_grad):
+                raise ValueError(
+                    f"DistributedDataParallel({type(m.module).__name__}) synchronizes this backward but "
+                    f"{len(left)} of its trainable parameters (e.g. `{left[0]}`) are in no routed group: DDP "
+                    "waits for every parameter's gradient and fails at the next forward. Route every group it "
+                    "wraps in each backward, or wrap each network in its own DDP"
+                )
+
+    def set_sync(self, sync: bool) -> None:
+        """Whether the next forward/backward of every wrapper communicates gradients."""
+        for m in self.ddp():
+            m.require_backward_grad_sync = sync  # type: ignore[assignment]
+        for f in find_fsdp(self._params):
+            f.set_requires_gradient_sync(sync, recurse=False)  # type: ignore[operator]
+
+    def next_micro_batch(self, index: int, accumulate: int) -> None:
+        """The next forward is micro-batch ``index`` (from 0) of a window of ``accumulate``: sync on the last."""
+        if accumulate > 1:
+            self.set_sync(index == accumulate - 1)
+
+
+def group_params(groups: Mapping[str, Any]) -> list[torch.Tensor]:
+    """Every parameter of ``groups`` (``name -> Group``), each once."""
+    return list(dict.fromkeys(p for g in groups.values() for p in g.params))

@@ -1,0 +1,278 @@
+"""DistributedDataParallel with routed losses: 2 gloo processes on the CPU against single-process references.
+
+Each rank gets half of every batch; DDP averages the per-rank gradients, so the routed gradients must equal
+the full-batch routed gradients of one process (a fresh forward per loss, ``torch.autograd.grad``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradroute
+from tests.distributed._worker import assert_grads, batch, gather, launch, losses, nets, reference
+
+pytestmark = pytest.mark.distributed
+
+# every test launches 2 processes once (a few seconds each on CI), so a test covers several setups in one launch
+LAYOUTS = ("per_network", "one_ddp")
+LAYOUTS_X_FIND_UNUSED = tuple((layout, f) for layout in LAYOUTS for f in (False, True))
+
+
+class Chain(torch.nn.Module):
+    """Both networks in one module, for one DDP around both."""
+
+    def __init__(self, tenc: torch.nn.Module, unet: torch.nn.Module) -> None:
+        super().__init__()
+        self.tenc, self.unet = tenc, unet
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.unet(self.tenc(x))
+
+
+def wrap(layout: str, tenc: torch.nn.Module, unet: torch.nn.Module, **kw) -> tuple[Callable, list[DDP]]:
+    """The forward and the DDP modules of ``layout``: one DDP per network, or one around both."""
+    if layout == "per_network":
+        d_tenc, d_unet = DDP(tenc, **kw), DDP(unet, **kw)
+        return (lambda x: d_unet(d_tenc(x))), [d_tenc, d_unet]
+    both = DDP(Chain(tenc, unet), **kw)
+    return both, [both]
+
+
+def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real (not string) annotations
+    """DDP's default all-reduce (average), counted."""
+    state["all_reduces"] += 1
+    buf = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+# ---------------------------------------------------------------------- exactness
+
+
+def _exact(rank: int, world: int) -> None:
+    for layout, find_unused in LAYOUTS_X_FIND_UNUSED:
+        tenc, unet = nets()
+        forward, _ = wrap(layout, tenc, unet, find_unused_parameters=find_unused)
+        router = gradroute.Router(tenc=tenc, unet=unet)
+        for step in range(2):
+            router.zero_grad()
+            router.backward(losses(forward, *batch(step, world, rank)))
+            assert_grads({"tenc": tenc, "unet": unet}, reference(step, world), rtol=1e-10, atol=1e-12)
+        # grads() runs no AccumulateGrad, so DDP sees no gradient: each rank gets its own shard's gradients,
+        # and the next forward works (the reducer was never started)
+        local = reference_local(rank, world, step=2)
+        got = router.grads(losses(forward, *batch(2, world, rank)))
+        for name in ("tenc", "unet"):
+            for g, want in zip(got[name], local[name], strict=True):
+                torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+        router.zero_grad()
+        router.backward(losses(forward, *batch(3, world, rank)))
+        assert_grads({"tenc": tenc, "unet": unet}, reference(3, world), rtol=1e-10, atol=1e-12)
+
+
+def reference_local(rank: int, world: int, step: int) -> dict[str, list[torch.Tensor]]:
+    """The routed gradients of rank ``rank``'s rows alone (what ``Router.grads`` returns under DDP)."""
+    from tests._reference import reference_grads
+
+    tenc, unet = nets()
+    x, target, mask = batch(step, world, rank)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    got = reference_grads(lambda: losses(lambda v: unet(tenc(v)), x, target, mask), groups)
+    return {name: [got[id(p)] for p in params] for name, params in groups.items()}
+
+
+def test_ddp_routed_backward_matches_full_batch_reference() -> None:
+    """One DDP per network and one DDP around both, each with and without ``find_unused_parameters``."""
+    launch(_exact)
+
+
+class Scaled(torch.nn.Module):
+    """A text encoder with a learned loss weight used only in its own loss (a parameter at the loss head)."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.weight = torch.nn.Parameter(torch.tensor([1.5], dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _head_param(rank: int, world: int) -> None:
+    def routed(tenc: Scaled, unet: torch.nn.Module, fwd: Callable, step: int, r: int | None) -> dict:
+        x, target, mask = batch(step, world, r)
+        loss = torch.nn.functional.mse_loss(fwd(x), target, reduction="none")
+        return {"tenc": (loss * tenc.weight).mean(), "unet": (loss * mask).mean()}
+
+    tenc, unet = Scaled(nets()[0]), nets()[1]
+    d_tenc, d_unet = DDP(tenc), DDP(unet)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    ref_tenc, ref_unet = Scaled(nets()[0]), nets()[1]
+    for step in range(2):
+        router.zero_grad()
+        router.backward(routed(tenc, unet, lambda x: d_unet(d_tenc(x)), step, rank))
+        for name, mod, ref_mod in (("tenc", tenc, ref_tenc), ("unet", unet, ref_unet)):
+            params = list(ref_mod.parameters())
+            want = torch.autograd.grad(
+                routed(ref_tenc, ref_unet, lambda x: ref_unet(ref_tenc(x)), step, None)[name], params
+            )
+            for p, w in zip(mod.parameters(), want, strict=True):
+                torch.testing.assert_close(p.grad, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core: a parameter accumulated in an engine call that also cuts (here a loss-head weight) gets its "
+    "gradient added to .grad by _execute, not by AccumulateGrad, so DDP's reducer hook never fires for it; "
+    "fix: deliver those gradients with torch.autograd.backward(GradientEdge(AccumulateGrad), grad)",
+)
+def test_ddp_parameter_at_the_loss_head_matches_reference() -> None:
+    launch(_head_param, timeout=60)
+
+
+# ---------------------------------------------------------------------- accumulation
+
+
+def _accumulate(rank: int, world: int) -> None:
+    for layout in LAYOUTS:
+        _accumulate_one(rank, world, layout)
+
+
+def _accumulate_one(rank: int, world: int, layout: str) -> None:
+    lr, steps, micro = 0.1, 2, 2
+    tenc, unet = nets()
+    forward, modules = wrap(layout, tenc, unet)
+    counts = [{"all_reduces": 0} for _ in modules]
+    for m, c in zip(modules, counts):
+        m.register_comm_hook(c, counting_hook)
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=lr)),
+        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=lr)),
+        accumulate=micro,
+    )
+    ref_tenc, ref_unet = nets()
+    for step in range(steps):
+        for k in range(micro):
+            router.backward(losses(forward, *batch(step * micro + k, world, rank)))
+            router.step()
+        # reference: the mean of the micro-batches' full-batch routed gradients, one SGD step
+        total: dict[str, list[torch.Tensor]] = {}
+        for k in range(micro):
+            for name, grads in _ref_at(ref_tenc, ref_unet, step * micro + k, world).items():
+                total[name] = grads if name not in total else [a + b for a, b in zip(total[name], grads)]
+        with torch.no_grad():
+            for name, mod in (("tenc", ref_tenc), ("unet", ref_unet)):
+                for p, g in zip(mod.parameters(), total[name], strict=True):
+                    p -= lr * g / micro
+        for mod, ref_mod in ((tenc, ref_tenc), (unet, ref_unet)):
+            for p, q in zip(mod.parameters(), ref_mod.parameters(), strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+        # one all-reduce per DDP module (one bucket each) per real step, none on the first micro-batch
+        assert [c["all_reduces"] for c in counts] == [step + 1] * len(modules), counts
+
+
+def _ref_at(tenc: torch.nn.Module, unet: torch.nn.Module, step: int, world: int) -> dict[str, list[torch.Tensor]]:
+    from tests._reference import reference_grads
+
+    x, target, mask = batch(step, world)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    got = reference_grads(lambda: losses(lambda v: unet(tenc(v)), x, target, mask), groups)
+    return {name: [got[id(p)] for p in params] for name, params in groups.items()}
+
+
+def test_ddp_accumulation_all_reduces_once_per_step() -> None:
+    """Both layouts; the SGD-stepped parameters equal the reference and each DDP all-reduces once per step."""
+    launch(_accumulate)
+
+
+# ---------------------------------------------------------------------- AMP
+
+
+def _amp(rank: int, world: int) -> None:
+    tenc, unet = nets(torch.float32)
+    d_tenc, d_unet = DDP(tenc), DDP(unet)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
+        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
+        scaler=scaler,
+    )
+    before = {n: [p.detach().clone() for p in m.parameters()] for n, m in (("tenc", tenc), ("unet", unet))}
+    x, target, mask = batch(0, world, rank, dtype=torch.float32)
+    routed = losses(lambda v: d_unet(d_tenc(v)), x, target, mask)
+    if rank == 0:  # an inf in rank 0's UNet loss only: DDP all-reduces it into rank 1's UNet gradients too
+        routed["unet"] = routed["unet"] * float("inf")
+    router.backward(routed)
+    stats = router.step()
+    assert gather((stats["tenc"].skipped, stats["unet"].skipped, stats.scale)) == [(False, True, 2.0**8)] * world
+    assert gather(float(scaler.get_scale())) == [2.0**7] * world  # one backoff on every rank
+    for p, q in zip(unet.parameters(), before["unet"], strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)  # the UNet step was skipped on every rank
+    tenc_now = [p.detach().clone() for p in tenc.parameters()]
+    assert any(not torch.equal(p, q) for p, q in zip(tenc_now, before["tenc"]))
+    for theirs in gather(tenc_now):  # the text encoder stepped identically everywhere
+        for p, q in zip(tenc_now, theirs, strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+    # the next step is finite everywhere and steps both groups
+    router.backward(losses(lambda v: d_unet(d_tenc(v)), *batch(1, world, rank, dtype=torch.float32)))
+    stats = router.step()
+    assert gather((stats["tenc"].skipped, stats["unet"].skipped)) == [(False, False)] * world
+
+
+def test_ddp_amp_inf_on_one_rank_skips_that_group_on_every_rank() -> None:
+    launch(_amp)
+
+
+# ---------------------------------------------------------------------- refused up front (one process)
+
+
+@pytest.fixture
+def one_process_group(tmp_path) -> Iterator[None]:
+    """A gloo process group of this process alone (DDP runs with world size 1)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_static_graph_fails(one_process_group: None) -> None:
+    tenc, unet = nets()
+    forward, _ = wrap("per_network", tenc, unet, static_graph=True)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    with pytest.raises(ValueError, match=r"static_graph=True.*static_graph=False"):
+        router.backward(losses(forward, *batch(0, 1)))
+    assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])
+
+
+def test_ddp_one_module_routing_part_of_its_groups_fails(one_process_group: None) -> None:
+    tenc, unet = nets()
+    forward, _ = wrap("one_ddp", tenc, unet)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    routed = losses(forward, *batch(0, 1))
+    with pytest.raises(ValueError, match=r"4 of its trainable parameters \(e\.g\. `tenc\.0\.weight`\)"):
+        router.backward(unet=routed["unet"])
+    assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])
+
+
+def test_ddp_one_module_under_no_sync_may_route_part_of_its_groups(one_process_group: None) -> None:
+    tenc, unet = nets()
+    forward, (ddp,) = wrap("one_ddp", tenc, unet)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    with ddp.no_sync():
+        routed = losses(forward, *batch(0, 1))
+        router.backward(unet=routed["unet"])
+    assert all(p.grad is None for p in tenc.parameters())
+    assert all(p.grad is not None for p in unet.parameters())
+
+
+def test_ddp_without_process_group_finds_nothing() -> None:
+    from gradroute._distributed import GradSync
+
+    tenc, _ = nets()
+    sync = GradSync(list(tenc.parameters()))
+    assert sync.ddp() == []

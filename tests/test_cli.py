@@ -108,13 +108,13 @@ def test_bench_other_workloads_route_exactly(workload, tmp_path, capsys):
 def test_bench_checkpointing_on_sd_tiny(tmp_path, capsys):
     path = tmp_path / "bench.json"
     argv = ["bench", "--width", "8", *TINY_BENCH, "--checkpointing", "--no-memory", "--json", str(path)]
-    argv += ["--strategies", "sum,pruned,gradroute"]
+    argv += ["--strategies", "sum,pruned,gradroute,gradroute_ckpt"]
     assert main(argv) == 0
     capsys.readouterr()
     report = json.loads(path.read_text())
     assert report["checkpointing"] is True
-    assert report["results"]["gradroute"]["err"] <= 1e-5
-    assert report["results"]["pruned"]["err"] <= 1e-5
+    for s in ("pruned", "gradroute", "gradroute_ckpt"):
+        assert report["results"][s]["err"] <= 1e-5, (s, report["results"][s])
 
 
 def test_bench_runs_as_a_module():
@@ -195,6 +195,11 @@ def test_bench_unknown_workload_fails(capsys):
 def test_bench_unknown_strategy_fails(capsys):
     assert main(["bench", "--strategies", "sum,bogus", "--device", "cpu"]) == 2
     assert "'bogus'" in one_line_error(capsys)
+
+
+def test_bench_gradroute_ckpt_without_checkpointing_fails(capsys):
+    assert main(["bench", "--strategies", "gradroute_ckpt", "--device", "cpu"]) == 2
+    assert "needs `--checkpointing`" in one_line_error(capsys)
 
 
 def test_bench_checkpointing_on_gan_fails(capsys):

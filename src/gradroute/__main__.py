@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checkpointing", action="store_true", help="activation checkpointing (sd-tiny, sd15)")
     bench.add_argument("--width", type=_positive, default=None, help="model width (sd-tiny, gan, actor-critic)")
     bench.add_argument("--seed", type=_int, default=0, help="seed for models and batch (default 0)")
+    bench.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
     bench.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of time and memory bars")
     bench.add_argument(

@@ -16,6 +16,9 @@ Strategies (``up``/``down`` are the upstream and downstream groups of the worklo
 * ``cut`` -- a hand cut at the boundary: ``grad(loss_up, boundary, retain_graph=True)``, ``loss_down`` into
   the downstream group, then the boundary gradient into the upstream group.
 * ``gradroute`` -- ``Router.backward(up=loss_up, down=loss_down)``.
+* ``gradroute_ckpt`` -- with ``--checkpointing`` only: the same with ``gradroute.checkpoint`` as both
+  networks' checkpoint function (one recomputation per segment for all engine calls), where the other
+  strategies use ``torch.utils.checkpoint`` (non-reentrant).
 
 Measured per strategy: the relative L2 error of each group's gradient against a reference of independent
 forwards (one fresh forward per loss and ``torch.autograd.grad``, under the same dtype/autocast as the run,
@@ -46,6 +49,8 @@ from ._demo import Progress, rel_error, resolve_device
 from ._workloads import DEFAULT_BATCH, Workload, build
 
 STRATEGIES = ("sum", "seed", "retain_twice", "freeze", "two_forward", "pruned", "cut", "gradroute")
+#: with activation checkpointing only
+CKPT_STRATEGIES = ("gradroute_ckpt",)
 #: strategies whose gradients are wrong by design
 INEXACT = ("sum", "seed")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -95,11 +100,17 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def prepare(self, strategy: str) -> None:
+        """Untimed set-up before a step: the checkpoint function the strategy uses."""
+        if self.wl.set_checkpoint is not None:
+            self.wl.set_checkpoint("gradroute" if strategy in CKPT_STRATEGIES else "torch")
+
     def step(self, strategy: str) -> None:
         STRATEGY_FNS[strategy](self)
 
     def reference(self) -> dict[str, list[torch.Tensor]]:
         """Per group: the gradient of its own loss alone, from a fresh forward (fp32 gradients)."""
+        self.prepare("sum")
         ref = {}
         for name, params in ((self.wl.up_name, self.up_params), (self.wl.down_name, self.down_params)):
             loss = self.down(self.up(), name)[name]
@@ -193,6 +204,7 @@ STRATEGY_FNS: dict[str, Callable[[Runner], None]] = {
     "pruned": _pruned,
     "cut": _cut,
     "gradroute": _gradroute,
+    "gradroute_ckpt": _gradroute,
 }
 
 
@@ -244,6 +256,7 @@ def one(args: argparse.Namespace) -> int:
     wl = _build(args, torch.device("cpu"))
     r = Runner(wl, _dtype(args, torch.device("cpu")))
     strategy = args._one
+    r.prepare(strategy)
     r.step(strategy)  # warm-up: lazy initialisation, allocator pools
     peak, method = 0.0, ""
     for _ in range(2):
@@ -287,6 +300,7 @@ def _cpu_peaks(args: argparse.Namespace, strategies: list[str], progress: Any) -
 
 
 def _cuda_peak(r: Runner, strategy: str) -> float:
+    r.prepare(strategy)
     r.zero()
     gc.collect()
     r.sync()
@@ -318,15 +332,23 @@ def _build(args: argparse.Namespace, dev: torch.device) -> Workload:
     )
 
 
-def parse_strategies(spec: str | None) -> list[str]:
+def parse_strategies(spec: str | None, checkpointing: bool = False) -> list[str]:
+    """The strategies named by ``--strategies`` (all by default; ``gradroute_ckpt`` needs checkpointing)."""
+    import gradroute
+
+    known = list(STRATEGIES)
+    if checkpointing and hasattr(gradroute, "checkpoint"):
+        known += CKPT_STRATEGIES
     if spec is None:
-        return list(STRATEGIES)
+        return known
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
         raise ValueError(f"`--strategies` names no strategy, got {spec!r}")
     for s in names:
-        if s not in STRATEGIES:
-            raise ValueError(f"`--strategies`: unknown strategy {s!r}; choose from {','.join(STRATEGIES)}")
+        if s in CKPT_STRATEGIES and s not in known:
+            raise ValueError(f"`--strategies`: {s!r} needs `--checkpointing`")
+        if s not in known:
+            raise ValueError(f"`--strategies`: unknown strategy {s!r}; choose from {','.join(known)}")
     return list(dict.fromkeys(names))
 
 
@@ -343,6 +365,7 @@ def measure(
     ref = r.reference()
     results: dict[str, dict[str, Any]] = {}
     for s in strategies:
+        r.prepare(s)
         r.zero()
         try:
             r.step(s)
@@ -357,6 +380,7 @@ def measure(
     times: dict[str, list[float]] = {s: [] for s in ok}
     for k in range(warmup + steps):
         for s in ok:
+            r.prepare(s)
             r.zero()
             r.sync()
             t0 = time.perf_counter()
@@ -376,8 +400,10 @@ def run(args: argparse.Namespace) -> int:
     """``gradroute bench``; see ``gradroute bench --help``."""
     if getattr(args, "_one", None):
         return one(args)
-    strategies = parse_strategies(args.strategies)
+    strategies = parse_strategies(args.strategies, args.checkpointing)
     dev = resolve_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dtype = _dtype(args, dev)
     if args.steps < 1:
         raise ValueError(f"`--steps` must be >= 1, got {args.steps}")
@@ -529,7 +555,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     names = list(res)
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.6))
     y = list(range(len(names)))
-    colours = ["tab:green" if s == "gradroute" else "tab:grey" if s in INEXACT else "tab:blue" for s in names]
+    colours = ["tab:green" if s.startswith("gradroute") else "tab:grey" if s in INEXACT else "tab:blue" for s in names]
     for ax, key, label in ((axes[0], "ms", "median step time (ms)"), (axes[1], "peak_mib", "peak memory (MiB)")):
         vals = [res[s].get(key) or 0.0 for s in names]
         ax.barh(y, vals, color=colours)

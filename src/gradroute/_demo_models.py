@@ -238,8 +238,12 @@ def make_batch(
 # ---------------------------------------------------------------------------------------------- models
 
 
-def _maybe_checkpoint(enabled: bool, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    if enabled and torch.is_grad_enabled():
+def _maybe_checkpoint(owner: nn.Module, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``fn(*args)``, checkpointed when ``owner.gradient_checkpointing`` (with ``owner.checkpoint_fn``, or
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` when that is None)."""
+    if owner.gradient_checkpointing and torch.is_grad_enabled():
+        if owner.checkpoint_fn is not None:
+            return owner.checkpoint_fn(fn, *args)  # type: ignore[no-any-return, operator]
         return checkpoint(fn, *args, use_reentrant=False)  # type: ignore[no-any-return]
     return fn(*args)
 
@@ -255,7 +259,8 @@ class TinyTextEncoder(nn.Module):
         max_tokens: sequence length.
 
     ``forward(tokens (B, T)) -> (B, T, dim)``. Set ``gradient_checkpointing = True`` to checkpoint each layer
-    (``torch.utils.checkpoint``, non-reentrant).
+    (``torch.utils.checkpoint``, non-reentrant; or ``checkpoint_fn(layer, *args)`` if set, e.g.
+    ``gradroute.checkpoint``).
 
     Example:
         >>> TinyTextEncoder(dim=16)(torch.zeros(2, 4, dtype=torch.long)).shape
@@ -268,6 +273,7 @@ class TinyTextEncoder(nn.Module):
         super().__init__()
         self.dim = dim
         self.gradient_checkpointing = False
+        self.checkpoint_fn: Callable[..., Any] | None = None
         self.embed = nn.Embedding(vocab_size, dim)
         self.pos = nn.Parameter(torch.randn(max_tokens, dim) * 0.02)
         self.layers = nn.ModuleList(
@@ -281,7 +287,7 @@ class TinyTextEncoder(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for layer in self.layers:
-            h = _maybe_checkpoint(self.gradient_checkpointing, layer, h)
+            h = _maybe_checkpoint(self, layer, h)
         return self.norm(h)  # type: ignore[no-any-return]
 
 
@@ -357,7 +363,8 @@ class TinyUNet(nn.Module):
         heads: cross-attention heads (must divide ``width``).
 
     ``forward(x (B, 3, 32, 32), t (B,) int, ctx (B, T, ctx_dim)) -> (B, 3, 32, 32)``, the predicted noise.
-    Set ``gradient_checkpointing = True`` to checkpoint each stage (non-reentrant).
+    Set ``gradient_checkpointing = True`` to checkpoint each stage (non-reentrant; ``checkpoint_fn`` as in
+    :class:`TinyTextEncoder`).
 
     Example:
         >>> unet = TinyUNet(width=8, ctx_dim=16)
@@ -374,6 +381,7 @@ class TinyUNet(nn.Module):
         w, w2, tdim = width, 2 * width, 4 * width
         self.width = width
         self.gradient_checkpointing = False
+        self.checkpoint_fn: Callable[..., Any] | None = None
         self.time_mlp = nn.Sequential(nn.Linear(w, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
         self.conv_in = nn.Conv2d(3, w, 3, padding=1)
         self.down0 = _Stage(w, w, tdim, ctx_dim, heads)  # 32x32
@@ -390,16 +398,15 @@ class TinyUNet(nn.Module):
         self.conv_out = nn.Conv2d(w, 3, 3, padding=1)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-        ck = self.gradient_checkpointing
         temb = self.time_mlp(timestep_embedding(t, self.width).to(x.dtype))
-        h0 = _maybe_checkpoint(ck, self.down0, self.conv_in(x), temb, ctx)
-        h1 = _maybe_checkpoint(ck, self.down1, self.pool0(h0), temb, ctx)
-        h = _maybe_checkpoint(ck, self.mid, self.pool1(h1), temb, ctx)
-        h = _maybe_checkpoint(ck, self.mid2, h, temb)
+        h0 = _maybe_checkpoint(self, self.down0, self.conv_in(x), temb, ctx)
+        h1 = _maybe_checkpoint(self, self.down1, self.pool0(h0), temb, ctx)
+        h = _maybe_checkpoint(self, self.mid, self.pool1(h1), temb, ctx)
+        h = _maybe_checkpoint(self, self.mid2, h, temb)
         h = self.unpool1(F.interpolate(h, scale_factor=2.0, mode="nearest"))
-        h = _maybe_checkpoint(ck, self.up1, torch.cat([h, h1], 1), temb, ctx)
+        h = _maybe_checkpoint(self, self.up1, torch.cat([h, h1], 1), temb, ctx)
         h = self.unpool0(F.interpolate(h, scale_factor=2.0, mode="nearest"))
-        h = _maybe_checkpoint(ck, self.up0, torch.cat([h, h0], 1), temb, ctx)
+        h = _maybe_checkpoint(self, self.up0, torch.cat([h, h0], 1), temb, ctx)
         return self.conv_out(F.silu(self.norm_out(h)))  # type: ignore[no-any-return]
 
 

@@ -45,6 +45,8 @@ class Workload:
         up: ``batch -> boundary`` (the upstream network's output).
         down: ``(batch, boundary, need) -> {group name: scalar loss}`` for the names in ``need``.
         info: sizes, for the report.
+        set_checkpoint: with activation checkpointing, switches the checkpoint function of both networks:
+            ``"torch"`` (``torch.utils.checkpoint``, non-reentrant) or ``"gradroute"`` (``gradroute.checkpoint``).
     """
 
     name: str
@@ -56,6 +58,7 @@ class Workload:
     up: Callable[[Any], torch.Tensor]
     down: Callable[[Any, torch.Tensor, Sequence[str]], dict[str, torch.Tensor]]
     info: dict[str, Any] = field(default_factory=dict)
+    set_checkpoint: Callable[[str], None] | None = None
 
     @property
     def groups(self) -> dict[str, nn.Module]:
@@ -135,7 +138,23 @@ def _sd_tiny(bs: int, dev: torch.device, checkpointing: bool, seed: int, width: 
         loss_tenc, loss_unet = route_losses(unet(b["noisy"], b["timesteps"], h), b)
         return {"tenc": loss_tenc, "unet": loss_unet}
 
-    return Workload("sd-tiny", "tenc", "unet", tenc, unet, batch, up, down, {"width": width})
+    def set_checkpoint(kind: str) -> None:
+        import gradroute
+
+        tenc.checkpoint_fn = unet.checkpoint_fn = gradroute.checkpoint if kind == "gradroute" else None
+
+    return Workload(
+        "sd-tiny",
+        "tenc",
+        "unet",
+        tenc,
+        unet,
+        batch,
+        up,
+        down,
+        {"width": width},
+        set_checkpoint if checkpointing else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- gan
@@ -408,4 +427,21 @@ def _sd15(bs: int, dev: torch.device, checkpointing: bool, seed: int, size: str)
         loss = F.mse_loss(pred.float(), b["noise"], reduction="none")
         return {"tenc": loss.mean(), "unet": (loss * b["masks"]).mean()}
 
-    return Workload("sd15", "tenc", "unet", tenc, unet, batch, up, down, {"size": size})
+    current = ["torch"]
+
+    def set_checkpoint(kind: str) -> None:
+        if kind == current[0]:
+            return
+        import gradroute
+
+        if kind == "gradroute":
+            unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)
+            tenc._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=gradroute.checkpoint)
+        else:
+            unet.enable_gradient_checkpointing()
+            tenc.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        current[0] = kind
+
+    return Workload(
+        "sd15", "tenc", "unet", tenc, unet, batch, up, down, {"size": size}, set_checkpoint if checkpointing else None
+    )

@@ -116,7 +116,7 @@ def _ddp_class() -> type | None:
     return DistributedDataParallel
 
 
-def find_ddp(params: Iterable[torch.Tensor]) -> list[torch.nn.Module]:
+def find_ddp(params: Iterable[torch.Tensor]) -> list[Any]:
     """The live ``DistributedDataParallel`` modules that hold any of ``params``.
 
     DDP keeps no registry and leaves no mark on the parameters it wraps, so this scans the objects the garbage
@@ -169,7 +169,7 @@ class GradSync:
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self._params = tuple(params)
-        self._ddp: list[weakref.ref] = []
+        self._ddp: list[weakref.ref[Any]] = []
         self._scans = 0
         self._scan()
 
@@ -181,7 +181,7 @@ class GradSync:
         self._scans += 1
         self._ddp = [weakref.ref(m) for m in find_ddp(self._params)]
 
-    def ddp(self) -> list[torch.nn.Module]:
+    def ddp(self) -> list[Any]:
         """The DDP modules found (alive)."""
         return [m for m in (r() for r in self._ddp) if m is not None]
 

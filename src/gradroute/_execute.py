@@ -22,13 +22,6 @@ def freed_message(what: str) -> str:
     )
 
 
-def _layout_like(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A gradient buffer ``p.grad`` may own: dense, with ``p``'s strides, like ``AccumulateGrad`` makes."""
-    if g.layout == p.layout and g.stride() == p.stride():
-        return g
-    return torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
-
-
 def execute(program: Program, *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
     """Run ``program``.
 
@@ -82,19 +75,21 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
                 key = (st.pass_index, j, nr)
                 prev = pending.get(key)
                 pending[key] = g if prev is None else prev + g
-        owned: set[int] = set()
-        for p, r, g in zip(st.targets, st.target_routes, res[len(cuts) :]):
-            if g is None:
-                continue
-            if accumulate:
-                if p.grad is None:
-                    # the engine may hand the same buffer to several outputs (e.g. a + b): never share it
-                    ptr = g.data_ptr()
-                    p.grad = (g.clone() if ptr in owned else _layout_like(g, p)).detach()
-                    owned.add(ptr)
-                else:
-                    p.grad.add_(g)
-            else:
-                prev = collected[r].get(id(p))
-                collected[r][id(p)] = g if prev is None else prev + g
+        if accumulate:
+            # a call that cuts cannot also accumulate (autograd.grad captures instead): hand the captured
+            # parameter gradients to their AccumulateGrad nodes in one more engine call, so .grad is written
+            # the way the engine writes it (layout, buffer stealing, hooks such as DDP's and FSDP's)
+            edges: list[torch.Tensor | GradientEdge] = []
+            grads: list[torch.Tensor] = []
+            for j, g in zip(st.target_ids, res[len(cuts) :]):
+                if g is not None:
+                    edges.append(GradientEdge(nodes[j], 0))
+                    grads.append(g)
+            if edges:
+                torch.autograd.backward(edges, grads)  # type: ignore[arg-type]
+        else:
+            for p, r, g in zip(st.targets, st.target_routes, res[len(cuts) :]):
+                if g is not None:
+                    prev = collected[r].get(id(p))
+                    collected[r][id(p)] = g if prev is None else prev + g
     return collected

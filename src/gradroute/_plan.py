@@ -165,6 +165,7 @@ class Stage:
     cuts_in: list[tuple[int, int]]
     cuts_out: list[tuple[int, int]]
     targets: list[torch.Tensor]
+    target_ids: list[int]  # their AccumulateGrad nodes
     # for grads(): which route each target belongs to, in this pass
     target_routes: list[int]
     nodes: int
@@ -492,6 +493,7 @@ def _stage_pass(
                 cuts_in=[],
                 cuts_out=[],
                 targets=[leaf[j] for j in tgt],
+                target_ids=tgt,
                 target_routes=[owner_route(j) for j in tgt],
                 nodes=len(stage),
             )
@@ -529,6 +531,7 @@ def _stage_pass(
                 cuts_in=list(cuts_in[s]),
                 cuts_out=list(cuts_out[s]),
                 targets=[leaf[j] for j in tgt],
+                target_ids=tgt,
                 target_routes=[owner_route(j) for j in tgt],
                 nodes=len(members_of[s]),
             )

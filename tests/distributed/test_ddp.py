@@ -124,12 +124,6 @@ def _head_param(rank: int, world: int) -> None:
                 torch.testing.assert_close(p.grad, w, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: a parameter accumulated in an engine call that also cuts (here a loss-head weight) gets its "
-    "gradient added to .grad by _execute, not by AccumulateGrad, so DDP's reducer hook never fires for it; "
-    "fix: deliver those gradients with torch.autograd.backward(GradientEdge(AccumulateGrad), grad)",
-)
 def test_ddp_parameter_at_the_loss_head_matches_reference() -> None:
     launch(_head_param, timeout=60)
 

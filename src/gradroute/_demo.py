@@ -148,6 +148,8 @@ def run(args: argparse.Namespace, *, is_main: bool = True) -> int:
         if value < 1:
             raise ValueError(f"`{flag}` must be >= 1, got {value}")
     dev = resolve_device(args.device)
+    rank, world, dev = _init_distributed(dev, args.batch_size)  # under torchrun: one process per rank
+    is_main = is_main and rank == 0
     dtype = args.dtype if args.dtype != "auto" else ("fp16" if dev.type == "cuda" else "fp32")
     if dtype == "fp16" and dev.type != "cuda":
         raise ValueError("`--dtype fp16` needs `--device cuda` (use bf16 or fp32 on CPU)")
@@ -159,6 +161,7 @@ def run(args: argparse.Namespace, *, is_main: bool = True) -> int:
     tenc, unet = make_models(seed=args.seed, width=args.width)
     tenc.to(dev)
     unet.to(dev)
+    train_tenc, train_unet = _wrap_ddp(tenc, unet, dev, world)  # the modules themselves unless distributed
     steps = args.steps
     warmup = max(1, round(HYPER["warmup_fraction"] * steps))
 
@@ -197,7 +200,7 @@ def run(args: argparse.Namespace, *, is_main: bool = True) -> int:
         batch = make_batch(args.batch_size, gen, device=dev)
         t0 = time.perf_counter()
         with autocast():
-            loss_tenc, loss_unet = forward_losses(tenc, unet, batch)
+            loss_tenc, loss_unet = forward_losses(train_tenc, train_unet, _shard(batch, rank, world))
         if k == 0:
             plan = router.plan(tenc=loss_tenc, unet=loss_unet)
             if is_main:
@@ -254,6 +257,7 @@ def run(args: argparse.Namespace, *, is_main: bool = True) -> int:
             "seed": args.seed,
             "width": args.width,
             "warmup_steps": warmup,
+            "world_size": world,
         },
         "hyper": HYPER,
         "plan": str(plan),
@@ -365,3 +369,50 @@ def _plot(path: Path, log: list[dict[str, Any]], tenc: Any, unet: Any, schedule:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------- distributed (torchrun)
+
+
+def _init_distributed(dev: torch.device, batch_size: int) -> tuple[int, int, torch.device]:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1): join the process group and pick this rank's device.
+
+    nccl on CUDA (device ``cuda:LOCAL_RANK``), gloo on the CPU. Returns ``(rank, world, device)``; ``(0, 1,
+    dev)`` outside torchrun. Every rank draws the same global batch and trains on its own share of the rows.
+    """
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, dev
+    import atexit
+
+    import torch.distributed as dist
+
+    if batch_size % world:
+        raise ValueError(f"`--batch-size` ({batch_size}) must be a multiple of the number of processes ({world})")
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        atexit.register(dist.destroy_process_group)
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def _wrap_ddp(tenc: torch.nn.Module, unet: torch.nn.Module, dev: torch.device, world: int) -> tuple[Any, Any]:
+    """One ``DistributedDataParallel`` per network (each is its own group), or the modules when not distributed."""
+    if world <= 1:
+        return tenc, unet
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [dev.index] if dev.type == "cuda" else None
+    return DDP(tenc, device_ids=ids), DDP(unet, device_ids=ids)
+
+
+def _shard(batch: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """This rank's contiguous share of the rows of ``batch`` (all of it when not distributed)."""
+    if world <= 1:
+        return batch
+    n = len(batch["captions"]) // world
+    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}

@@ -6,6 +6,10 @@ the full-batch routed gradients of one process (a fresh forward per loss, ``torc
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -270,3 +274,28 @@ def test_ddp_without_process_group_finds_nothing() -> None:
     tenc, _ = nets()
     sync = GradSync(list(tenc.parameters()))
     assert sync.ddp() == []
+
+
+# ---------------------------------------------------------------------- the demo under torchrun
+
+
+def test_demo_runs_under_torchrun(tmp_path) -> None:
+    """``torchrun --nproc-per-node 2 -m gradroute demo``: DDP per network, gloo; rank 0 prints and writes."""
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+        *("-m", "gradroute", "demo", "--steps", "2", "--batch-size", "4", "--width", "8", "--device", "cpu"),
+        *("--out", str(tmp_path)),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun demo did not finish within {e.timeout} s:\n{e.stdout}\n{e.stderr}", pytrace=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the step-0 check compares the DDP-averaged routed gradients with a full-batch reference
+    assert done.stdout.count("step 0 check against independent forwards") == 1, done.stdout
+    assert "ok" in done.stdout.split("step 0 check")[1].splitlines()[0]
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["settings"]["world_size"] == 2
+    assert report["check"]["passed"]
+    assert len(report["log"]) == 2

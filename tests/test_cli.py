@@ -57,6 +57,24 @@ def test_demo_is_deterministic_for_a_seed(tmp_path, capsys):
     assert logs[0] == logs[1]
 
 
+def test_demo_bf16_autocast_on_cpu(tmp_path, capsys):
+    assert main(["demo", *TINY_DEMO, "--steps", "1", "--dtype", "bf16", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["dtype"] == "bf16" and report["check"]["passed"] is True
+
+
+def test_demo_off_the_main_rank_prints_and_writes_nothing(tmp_path, capsys):
+    from gradroute.__main__ import build_parser
+    from gradroute._demo import run
+
+    args = build_parser().parse_args(["demo", *TINY_DEMO, "--steps", "1", "--out", str(tmp_path / "x")])
+    assert run(args, is_main=False) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+    assert not (tmp_path / "x").exists()
+
+
 def test_demo_learns_in_its_default_configuration_scaled_down(tmp_path, capsys):
     # a short run with the default hyper-parameters lowers the held-out losses of both routes
     assert main(["demo", "--steps", "25", "--batch-size", "8", "--width", "8", "--out", str(tmp_path)]) == 0

@@ -170,15 +170,10 @@ class GradSync:
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self._params = tuple(params)
         self._ddp: list[weakref.ref[Any]] = []
-        self._scans = 0
+        self._rescanned = False
         self._scan()
 
     def _scan(self) -> None:
-        if self._scans >= 2:
-            return
-        if _ddp_class() is None:
-            return
-        self._scans += 1
         self._ddp = [weakref.ref(m) for m in find_ddp(self._params)]
 
     def ddp(self) -> list[Any]:
@@ -193,7 +188,8 @@ class GradSync:
                 ``find_unused_parameters``) that synchronizes this backward and holds trainable parameters
                 the routed groups leave out (DDP would wait for their gradients).
         """
-        if self._scans == 1:  # the wrappers may have been built after the router: look once more
+        if not self._rescanned:  # the wrappers may have been built after the router: look once more
+            self._rescanned = True
             self._scan()
         modules = self.ddp()
         if not modules:

@@ -9,8 +9,10 @@ Why routed passes are exact under ``DistributedDataParallel`` (torch 2.4+; check
 * The router runs several engine calls for one forward. Each call executes the ``AccumulateGrad`` nodes of
   its own targets only (``inputs=``), so every parameter is marked ready exactly once per backward, in
   whichever call accumulates it: no "marked ready twice", and a bucket that mixes parameters of two groups is
-  all-reduced in the later of their calls. The value read into the bucket is the parameter's full ``.grad``,
-  so micro-batches accumulated under ``no_sync`` are included, as with a plain backward.
+  all-reduced in the later of their calls. (Gradients captured by a call that cuts the graph reach their
+  ``AccumulateGrad`` nodes through one more engine call, ``_execute``, so their hooks fire too.) The value
+  read into the bucket is the parameter's full ``.grad``, so micro-batches accumulated under ``no_sync`` are
+  included, as with a plain backward.
 * Whether a backward synchronizes is decided by DDP's *forward* (``require_backward_grad_sync`` read in
   ``_post_forward``, which arms the reducer), not by the backward: a ``no_sync()`` around the backward alone
   still all-reduces. For gradient accumulation the flag must therefore be set before the next micro-batch's

@@ -58,6 +58,45 @@ def _exact(rank: int, world: int) -> None:
         assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])
         router.backward(losses(forward, *batch(3, world, rank)))
         assert_grads({"tenc": tenc, "unet": unet}, reference(3, world), rtol=1e-10, atol=1e-12)
+    _loss_head(rank, world)
+
+
+class LossWeight(torch.nn.Module):
+    """A learned weight used only in the text encoder's loss, sharded as its own FSDP2 root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([1.5, 0.5], dtype=torch.float64))
+
+    def forward(self) -> torch.Tensor:
+        return self.w * 1.0
+
+
+def _head_losses(fwd, lw: torch.nn.Module, x, target, mask) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    loss = torch.nn.functional.mse_loss(fwd(x), target, reduction="none")
+    return {"tenc": (loss * lw().sum()).mean(), "unet": (loss * mask).mean()}
+
+
+def _loss_head(rank: int, world: int) -> None:
+    """A parameter at the loss head: its gradient is captured by a cutting call and delivered afterwards."""
+    from torch.distributed.fsdp import fully_shard
+
+    tenc, unet = nets()
+    lw = LossWeight()
+    for m in (tenc, unet, lw):
+        fully_shard(m)
+    router = gradroute.Router(tenc=[*tenc.parameters(), *lw.parameters()], unet=unet)
+    ref_tenc, ref_unet = nets()
+    ref_lw = LossWeight()
+    for step in range(2):
+        router.zero_grad()
+        router.backward(_head_losses(lambda v: unet(tenc(v)), lw, *batch(step, world, rank)))
+        routed = {"tenc": [*tenc.parameters(), *lw.parameters()], "unet": list(unet.parameters())}
+        ref_params = {"tenc": [*ref_tenc.parameters(), *ref_lw.parameters()], "unet": list(ref_unet.parameters())}
+        for name in ("tenc", "unet"):
+            ref_loss = _head_losses(lambda v: ref_unet(ref_tenc(v)), ref_lw, *batch(step, world))[name]
+            for p, want in zip(routed[name], torch.autograd.grad(ref_loss, ref_params[name]), strict=True):
+                torch.testing.assert_close(full(p.grad), want, rtol=1e-10, atol=1e-12)
 
 
 def _reference_local(rank: int, world: int, step: int) -> dict[str, list[torch.Tensor]]:
@@ -69,7 +108,7 @@ def _reference_local(rank: int, world: int, step: int) -> dict[str, list[torch.T
 
 
 def test_fsdp2_routed_backward_matches_full_batch_reference() -> None:
-    """Sharding per network, per layer and network, and under one root around both; and ``grads()``."""
+    """Sharding per network, per layer and network, under one root around both; ``grads()``; a loss-head weight."""
     launch(_exact)
 
 

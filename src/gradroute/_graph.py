@@ -29,11 +29,18 @@ class Graph:
 
     nodes: list[Node]
     succ: list[list[tuple[int, int]]]
-    topo: list[int]
     leaf: dict[int, torch.Tensor]
     index: dict[Node, int]
     signature: list
     kinds: set[type]
+    _topo: list[int] | None = None
+
+    @property
+    def topo(self) -> list[int]:
+        """Computed on first use only: a cached plan needs no order."""
+        if self._topo is None:
+            self._topo = _topological(self.succ)
+        return self._topo
 
 
 def root_edge(tensor: torch.Tensor) -> GradientEdge:
@@ -42,7 +49,7 @@ def root_edge(tensor: torch.Tensor) -> GradientEdge:
 
 
 def walk(roots: list[Node], params: dict[int, int]) -> Graph:
-    """Collect the graph below ``roots`` with one breadth-first sweep, then sort it topologically (Kahn).
+    """Collect the graph below ``roots`` with one breadth-first sweep.
 
     ``params`` maps ``id(parameter)`` of the routed groups' parameters to a mark recorded in the signature.
     """
@@ -60,7 +67,6 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
         node = nodes[i]
         kind = type(node)
         kinds.add(kind)
-        sig.append(kind)
         out: list[tuple[int, int]] = []
         for fn, nr in node.next_functions:
             if fn is None:
@@ -71,23 +77,10 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
                 index[fn] = j
                 nodes.append(fn)
             out.append((j, nr))
-            sig.append(j)
-            sig.append(nr)
+        sig.append(kind)
+        sig.append(out)
         succ.append(out)
         i += 1
-    indeg = [0] * len(nodes)
-    for out in succ:
-        for j, _ in out:
-            indeg[j] += 1
-    ready = [i for i in range(len(nodes)) if indeg[i] == 0]
-    topo: list[int] = []
-    while ready:
-        i = ready.pop()
-        topo.append(i)
-        for j, _ in succ[i]:
-            indeg[j] -= 1
-            if indeg[j] == 0:
-                ready.append(j)
     leaf: dict[int, torch.Tensor] = {}
     for i, out in enumerate(succ):
         if not out:
@@ -96,4 +89,22 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
                 leaf[i] = var
                 sig.append(i)
                 sig.append(params.get(id(var), 0))
-    return Graph(nodes=nodes, succ=succ, topo=topo, leaf=leaf, index=index, signature=sig, kinds=kinds)
+    return Graph(nodes=nodes, succ=succ, leaf=leaf, index=index, signature=sig, kinds=kinds)
+
+
+def _topological(succ: list[list[tuple[int, int]]]) -> list[int]:
+    """Kahn's algorithm: every node before the nodes it sends gradient to."""
+    indeg = [0] * len(succ)
+    for out in succ:
+        for j, _ in out:
+            indeg[j] += 1
+    ready = [i for i in range(len(succ)) if indeg[i] == 0]
+    topo: list[int] = []
+    while ready:
+        i = ready.pop()
+        topo.append(i)
+        for j, _ in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                ready.append(j)
+    return topo

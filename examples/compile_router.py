@@ -8,9 +8,20 @@ other. What changes is cost, not exactness: inside a compiled region nothing can
 that crosses the compiled UNet runs the UNet's whole compiled backward (parameter gradients included) even
 when it only needs the gradient of the UNet's input. The plan printed below shows the passes.
 
-The script compiles both models, checks the routed gradients against an independent reference (a fresh
-*eager* forward per loss and ``torch.autograd.grad``; ``--grad-tol``, relative L2 error per network) and times
-the routed step eager vs compiled.
+AOTAutograd may *donate* the activations it saves to a compiled backward that it expects to run once
+(``torch._functorch.config.donated_buffer``). It turns that off by itself when the first backward through a
+compiled region runs with ``retain_graph=True``, as a routed pass that a later pass depends on does; but if a
+plain backward ran first, the routed pass fails with "This backward function was compiled with non-empty
+donated buffers". The script runs with ``donated_buffer=False`` (compile and backward), which makes the order
+irrelevant at the cost of the memory donation would have reused.
+
+The script compiles both models and checks the routed gradients against an independent reference: a fresh
+forward per loss through the same compiled modules and ``torch.autograd.grad`` (``--grad-tol``, relative L2
+error per network; exit status 1 above it). It also prints how far the compiled modules' own gradients are
+from eager ones (no routing involved: that is the compiler's accuracy) and times the routed step eager vs
+compiled. (With torch 2.13.0 on CPU, ``inductor``'s backward of the tiny UNet differs from eager by a relative
+error of about 0.65, with a plain ``torch.autograd.grad`` and no gradroute in the picture; ``aot_eager`` matches eager
+exactly.)
 
 Backends: ``--backend inductor`` (the default; on CPU it compiles C++ with the system compiler, a minute or
 more even for the tiny models) or ``--backend aot_eager`` (AOTAutograd with eager kernels: the same graph
@@ -88,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_dir = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "model"
             sd.write_tiny_model(model_dir)
         try:
-            return run(args, model_dir)
+            # see the module docstring: compiled backwards that a routed pass may run with retain_graph=True
+            with torch._functorch.config.patch(donated_buffer=False):
+                return run(args, model_dir)
         except sd.UsageError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -140,14 +153,24 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
         for name, module in (("tenc", models.tenc), ("unet", models.unet))
     }
     router.zero_grad()
-    reference = sd.reference_grads(models, x, autocast, sd.rng_state(device))  # eager, fresh forward per loss
-    errors = {name: sd.relative_error(got[name], reference[name]) for name in got}
+    # references: a fresh forward per loss + torch.autograd.grad, through the same compiled modules (the
+    # router must match these), and through the eager ones (how far the compiler itself is from eager)
+    rng = sd.rng_state(device)
+    same = sd.reference_grads(compiled, x, autocast, rng)
+    eager = sd.reference_grads(models, x, autocast, rng)
+    errors = {name: sd.relative_error(got[name], same[name]) for name in got}
     worst = max(errors.values())
     ok = worst <= args.grad_tol
     print(
-        "grad check (compiled, routed vs eager, fresh forward per loss + torch.autograd.grad): "
+        "grad check (routed vs fresh forward per loss + torch.autograd.grad, both compiled): "
         + "  ".join(f"{n} rel. error {e:.2e}" for n, e in errors.items())
         + f"  max relative error {worst:.2e} (tolerance {args.grad_tol:.0e}) {'ok' if ok else 'FAILED'}"
+    )
+    drift = {name: sd.relative_error(same[name], eager[name]) for name in got}
+    print(
+        "compiled vs eager (no routing involved): "
+        + "  ".join(f"{n} rel. error {e:.2e}" for n, e in drift.items())
+        + ("" if max(drift.values()) <= args.grad_tol else "  WARNING: the compiled model's own gradients differ")
     )
     print(router.plan(**dict(zip(("tenc", "unet"), sd.losses(compiled, x, autocast), strict=True))))
 

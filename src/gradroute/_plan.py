@@ -452,18 +452,26 @@ def _stage_pass(
     members = [i for i in topo if need[i] & bit]
     final = {i: last[i] == k for i in members}
     any_retained = not all(final.values())
-    stage: dict[int, int] = {}
+    stage: dict[int, int] = {i: 0 for i in members}
+    kept = 0
     if any_retained:
-        # Cut as late as possible first (deferred parts stay together, like a hand cut at the frontier),
-        # else as early as possible; if neither gives clean engine calls, retain the whole pass.
+        # Cut as late as possible (deferred parts stay together, like a hand cut at the frontier) and as
+        # early as possible; where a cut is not clean, merge the stages involved into one retaining call.
+        # Keep the numbering that leaves the fewest nodes retained at their last use.
+        best = None
         for late in (True, False):
-            stage = _number_stages(g, members, final, bit, need, late=late)
-            if _clean_cut(g, k, stage, need, target):
+            numbered = _number_stages(g, members, final, bit, need, late=late)
+            while (conflict := _conflict(g, k, numbered, need, target)) is not None:
+                lo, hi = conflict
+                merged = lo if lo % 2 else lo + 1
+                numbered = {i: merged if lo <= v <= hi else v for i, v in numbered.items()}
+            n_kept = sum(1 for i, v in numbered.items() if v % 2 and final[i])
+            if best is None or n_kept < best[0]:
+                best = (n_kept, numbered)
+            if n_kept == 0:
                 break
-        else:
-            stage = {}
-    if not stage:
-        stage = {i: 0 for i in members}
+        assert best is not None
+        kept, stage = best
 
     pass_route_ids = _bits(route_mask)
     losses_by_stage: dict[int, list[tuple[int, int]]] = {}
@@ -482,13 +490,12 @@ def _stage_pass(
     def owner_route(i: int) -> int:
         return route_of_param[id(leaf[i])]
 
-    if not any_retained or max(stage.values(), default=0) == 0:
-        kept = sum(1 for i in stage if last[i] == k) if any_retained else 0
+    if max(stage.values(), default=0) == 0:
         tgt = sorted({j for i in stage for j, _ in succ[i] if target.get(j, 0) & bit} | set(leaf_root_targets))
         single = [
             Stage(
                 pass_index=k,
-                retain=any_retained,
+                retain=False,
                 losses=[t for ts in losses_by_stage.values() for t in ts],
                 cuts_in=[],
                 cuts_out=[],
@@ -536,7 +543,7 @@ def _stage_pass(
                 nodes=len(members_of[s]),
             )
         )
-    return out, out_members, 0
+    return out, out_members, kept
 
 
 def _schedule(
@@ -620,8 +627,10 @@ def _number_stages(
     return {i: s - low for i, s in stage.items()}
 
 
-def _clean_cut(g: Graph, k: int, stage: dict[int, int], need: list[int], target: dict[int, int]) -> bool:
-    """Whether every stage's engine call executes exactly that stage's nodes.
+def _conflict(
+    g: Graph, k: int, stage: dict[int, int], need: list[int], target: dict[int, int]
+) -> tuple[int, int] | None:
+    """Two stages whose calls cannot be separated, or None when every call executes exactly its own nodes.
 
     The engine executes every node on a path from a call's starting edges to its captured edges and
     targets. A call for stage ``s`` would wrongly execute a later-stage node ``p`` if ``p`` is reachable from
@@ -650,6 +659,7 @@ def _clean_cut(g: Graph, k: int, stage: dict[int, int], need: list[int], target:
             continue
         for j, _ in succ[p]:
             # an earlier stage that reaches p also captures or accumulates j, which p feeds from later
-            if sink_of.get(j, 0) & r:
-                return False
-    return True
+            both = sink_of.get(j, 0) & r
+            if both:
+                return (both & -both).bit_length() - 1, s_p
+    return None

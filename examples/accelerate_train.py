@@ -22,8 +22,8 @@ Checkpoints keep working: ``accelerator.save_state`` saves the same optimizers a
 
 Accelerate makes no GradScaler on CPU (fp16 autocast is a CUDA feature there); ``--grad-scaler`` gives the
 router a ``torch.amp.GradScaler`` anyway, so the AMP step path runs on CPU as well (the tests use it). This
-example is tested in a single process; with several processes Accelerate wraps the networks in DDP, see
-gradroute's notes on distributed training for what the router supports there.
+example is tested in a single process only; with several processes Accelerate wraps the networks in DDP, and
+what the router does under DDP (``tests/distributed``) applies, untested here through Accelerate.
 
 Run::
 
@@ -106,12 +106,12 @@ def train(
     *,
     max_steps: int,
     log: bool = True,
-) -> list[gradroute.Router]:
+) -> list[gradroute.StepStats]:
     """Up to ``max_steps`` optimizer steps (each of ``router``'s ``accumulate`` micro-batches).
 
     Returns the stats of every real step.
     """
-    history: list[Any] = []
+    history: list[gradroute.StepStats] = []
     while True:
         for batch in loader:
             with accelerator.autocast():

@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_epochs=-1,
     )
     trainer.fit(model, loader)
-    print(f"{model.iterations} iterations, global_step {trainer.global_step}: {dict(trainer.logged_metrics)}")
+    metrics = "  ".join(f"{k} {float(v):.4f}" for k, v in trainer.logged_metrics.items())
+    print(f"{model.iterations} iterations, global_step {trainer.global_step}: {metrics}")
     return 0
 
 

@@ -11,8 +11,8 @@ Models come from a local directory with the layout of a Stable Diffusion reposit
 ``tokenizer/`` (``CLIPTokenizer``), ``scheduler/`` (``DDPMScheduler``) and, optionally, ``vae/``
 (``AutoencoderKL``, frozen). With a VAE the UNet trains on latents, as Stable Diffusion does; without one it
 trains in pixel space (its ``in_channels`` must then be 3). Nothing is downloaded: pass a snapshot you have,
-or write a tiny one with ``--write-tiny DIR`` (configs of a few thousand parameters, a 95-token vocabulary and
-four 16x16 images), which is what the tests do.
+or write a tiny one with ``--write-tiny DIR`` (random weights, about 0.3M parameters in all, a 95-token
+vocabulary and four 16x16 images), which is what the tests do.
 
 The data directory holds ``images/``, ``masks/`` (a grayscale PNG per image, same file name and size; white =
 the region the UNet is trained on) and ``captions.txt`` (one ``file_name<TAB>caption`` line per image).

@@ -389,6 +389,8 @@ def test_td3_actor_loss_computes_no_critic_gradients() -> None:
         return -critic(b.s, actor(b.s))[0].mean()
 
     expected = reference_grads(lambda: {"actor": actor_loss()}, {"actor": params_of(actor)})
+    plan = router.plan(actor=actor_loss())
+    assert sum(c.params for c in plan.calls) == len(params_of(actor))  # only the actor's parameters are inputs
     loss = actor_loss()
     with FlopCounterMode(display=False) as routed:
         router.backward(actor=loss)

@@ -339,7 +339,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--unet-weight-decay", type=float, default=1e-2)
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99))
     p.add_argument("--eps", type=float, default=1e-7)
-    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--warmup-steps", type=int, default=30, help="linear warmup (capped at --max-steps)")
     p.add_argument("--lr-exponent", type=float, default=5.0, help="decay (1 - progress) ** exponent after warmup")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip each network's gradients")
     p.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no")
@@ -405,9 +405,7 @@ def train(args: argparse.Namespace) -> int:
     # step 0's unscaled gradients, seen by each group's hook before clipping and stepping
     seen: dict[str, list[torch.Tensor]] = {}
 
-    def hook_for(name: str, module: torch.nn.Module) -> Any:
-        params = [p for p in module.parameters() if p.requires_grad]
-
+    def hook_for(name: str, params: list[torch.Tensor]) -> Any:
         def hook(_with_grad: Sequence[torch.Tensor]) -> None:
             if args.check_grads and name not in seen:
                 seen[name] = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
@@ -423,7 +421,7 @@ def train(args: argparse.Namespace) -> int:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, betas=tuple(args.betas), eps=args.eps)
         sched = warmup_power(opt, min(args.warmup_steps, args.max_steps), args.lr_exponent, args.max_steps)
         groups[name] = gradroute.Group(
-            params, optimizer=opt, scheduler=sched, max_grad_norm=args.max_grad_norm, grad_hook=hook_for(name, module)
+            params, optimizer=opt, scheduler=sched, max_grad_norm=args.max_grad_norm, grad_hook=hook_for(name, params)
         )
     router = gradroute.Router(groups, scaler=scaler, accumulate=args.accumulate)
 

@@ -9,6 +9,16 @@ and every later call is served the same tensors. A recomputed tensor is dropped 
 saved it is freed (its last engine call runs without ``retain_graph``), and whatever is left when the router
 call returns is dropped then.
 
+The memory price: the router runs one pass through the whole region it shares with a later pass before that
+pass starts, so the recomputed tensors of every segment in that region are alive together between the two
+(the same as not checkpointing that region at all; torch's checkpoint keeps the checkpointed floor by
+recomputing in each pass). Interleaving the passes segment by segment would avoid it, but an engine call
+executes every node upstream of the edges it captures, and residual connections put later segments upstream
+of the cut edges, so the cut cannot be made. Sharing pays where the region several passes traverse is a
+small part of the checkpointed model (a discriminator or loss head shared by several losses); where it is
+most of the model (the UNet under a text-encoder loss) turn checkpointing off there if memory allows, or
+keep torch's checkpoint for the memory floor.
+
 How it works (like torch's non-reentrant version, ``torch/utils/checkpoint.py``): the forward runs under
 ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook saves a small :class:`_Holder` instead of the
 tensor. The first unpack of a holder for a given key recomputes the segment's forward (RNG state of the CPU
@@ -253,7 +263,8 @@ def checkpoint(
     same keyword arguments. Outside :meth:`gradroute.Router.backward` / :meth:`~gradroute.Router.grads` it
     behaves the same (one recomputation per backward call). Inside one, all engine calls of the router call
     share one recomputation of the segment; each recomputed tensor is freed with the autograd node that
-    saved it, at the latest when the router call returns.
+    saved it, at the latest when the router call returns. Between the first and the last engine call through
+    a segment its recomputed tensors stay alive (see the module notes on memory).
 
     Args:
         fn: the segment to checkpoint.

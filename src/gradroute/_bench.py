@@ -435,11 +435,10 @@ def run(args: argparse.Namespace) -> int:
         del r, wl
         gc.collect()
         peaks = _cpu_peaks(args, ok, progress)
-        method = "peak RSS in a child process per strategy"
+        how = sorted({str(peaks[s]["method"]) for s in ok if "method" in peaks[s]})
+        method = f"peak RSS in a child process per strategy, 1 thread ({', '.join(how)})"
         for s in ok:
             results[s]["peak_mib"] = peaks[s].get("peak_mib")
-            if "method" in peaks[s]:
-                method = f"{method} ({peaks[s]['method']}, 1 thread)"
             if "error" in peaks[s]:
                 results[s]["memory_error"] = peaks[s]["error"]
     progress.close()

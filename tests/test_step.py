@@ -726,3 +726,19 @@ def test_docstring_examples_run() -> None:
     for t in tests:
         runner.run(t)
     assert runner.summarize(verbose=False).failed == 0
+
+
+def test_skip_reason_tells_nonfinite_from_no_gradient():
+    a, b, c = (torch.nn.Linear(3, 3) for _ in range(3))
+    router = gradroute.Router(
+        a=gradroute.Group(a, optimizer=torch.optim.SGD(a.parameters(), lr=0.1)),
+        b=gradroute.Group(b, optimizer=torch.optim.SGD(b.parameters(), lr=0.1)),
+        c=gradroute.Group(c, optimizer=torch.optim.SGD(c.parameters(), lr=0.1)),
+        scaler=torch.amp.GradScaler("cpu"),
+    )
+    x = torch.randn(2, 3)
+    router.backward(a=a(x).sum() * float("inf"), b=b(x).sum())
+    stats = router.step()
+    assert (stats["a"].skipped, stats["a"].skip_reason) == (True, "nonfinite")
+    assert (stats["b"].skipped, stats["b"].skip_reason) == (False, None)
+    assert (stats["c"].skipped, stats["c"].skip_reason) == (True, "no_grad")

@@ -62,6 +62,8 @@ class GroupStats:
         skipped: on a real step, the group's optimizer did not update: ``GradScaler`` found inf/NaN in its
             gradients, or the group had no gradient at all. Its scheduler was not stepped either. Always
             ``False`` on an accumulation micro-step.
+        skip_reason: why it was skipped: ``"nonfinite"`` (GradScaler found inf/NaN) or ``"no_grad"`` (no
+            loss reached the group since the last step); ``None`` when not skipped.
     """
 
     loss: float | None
@@ -69,6 +71,7 @@ class GroupStats:
     lr: float
     lrs: tuple[float, ...]
     skipped: bool
+    skip_reason: str | None = None
 
 
 class StepStats(dict[str, GroupStats]):
@@ -251,6 +254,7 @@ class Stepper:
                 lr=lrs[name][0],
                 lrs=lrs[name],
                 skipped=name not in active or found_inf[name],
+                skip_reason="no_grad" if name not in active else "nonfinite" if found_inf[name] else None,
             )
             for name in self.groups
         }

@@ -138,3 +138,15 @@ def test_reentrant_checkpoint_fails_clearly():
     with pytest.raises(ValueError, match=r"reentrant torch.utils.checkpoint segment \(use_reentrant=True\)"):
         gradroute.Router(a=a, b=b).backward(a=out.sum(), b=out.pow(2).sum())
     assert all(p.grad is None for p in [*a.parameters(), *b.parameters()])
+
+
+def test_plan_shows_leaks_into_groups_the_call_does_not_name():
+    actor, critic = torch.nn.Linear(3, 2).to(D), torch.nn.Linear(5, 1).to(D)
+    s = torch.randn(4, 3, dtype=D)
+    q = critic(torch.cat([s, actor(s)], 1))
+    plan = gradroute.Router(actor=actor, critic=critic).plan(actor=-q.mean())
+    assert plan.others == ("critic",)
+    assert plan.reach["actor"] == {"actor": 2, "critic": 2}
+    assert plan.leaks["actor"] == ("critic",)
+    text = str(plan)
+    assert "critic" in text.splitlines()[3] and "actor -> critic" in text

@@ -76,6 +76,8 @@ class Plan:
             loss reaches: a plain backward of the summed losses would write its gradient there.
         passes: the routes backpropagated together, in execution order.
         calls: the engine calls, in execution order.
+        others: groups of the router not named in the call; ``reach`` and ``leaks`` cover them too (filled by
+            :meth:`Router.plan`).
         kept_nodes: nodes whose last execution had to retain their saved tensors (0 unless the graph has a
             shape the cut cannot express; they are freed when the caller drops the losses).
         graph_nodes: autograd nodes below the losses.
@@ -89,9 +91,11 @@ class Plan:
     kept_nodes: int
     graph_nodes: int
     notes: tuple[str, ...] = ()
+    others: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         names = self.groups
+        columns = (*names, *self.others)
         width = max([len(n) for n in names] + [5])
         lines = [
             f"gradroute plan: {len(names)} routed loss(es), {len(self.passes)} pass(es), "
@@ -99,11 +103,11 @@ class Plan:
             f"{self.kept_nodes} kept after backward",
             "",
             "reach: parameters of each group (columns) that each routed loss (rows) reaches",
-            "  " + "loss".ljust(width) + "  " + "  ".join(g.rjust(max(len(g), 9)) for g in names),
+            "  " + "loss".ljust(width) + "  " + "  ".join(g.rjust(max(len(g), 9)) for g in columns),
         ]
         for loss in names:
             cells = []
-            for g in names:
+            for g in columns:
                 n = self.reach[loss].get(g, 0)
                 text = "-" if n == 0 else str(n)
                 if g == loss:

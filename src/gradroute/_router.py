@@ -12,6 +12,7 @@ import torch
 from ._distributed import live_params
 from ._execute import GraphFreedError, execute, freed_message
 from ._group import Group, GroupLike
+from ._graph import root_edge
 from ._plan import Plan, PlanCache, Program, Route, build
 from ._step import StepStats
 
@@ -141,19 +142,22 @@ class Router:
         """What :meth:`backward` would do with these losses; nothing is run. ``print(plan)`` shows a table."""
         routes = self._routes(losses, named_losses, "plan")
         program = self._program(routes, merge_shared=True)
+        plan = _with_other_groups(
+            program, {n: g.params for n, g in self._groups.items() if n not in program.plan.reach}
+        )
         from ._checkpoint import checkpoint_kind
 
         nodes = program.graph.nodes
         torch_ckpt = sum(1 for i in program.shared if checkpoint_kind(nodes[i]) == "torch")
         if not torch_ckpt:
-            return program.plan
+            return plan
         note = (
             f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call, and torch "
             "recomputes their segments once per call. gradroute.checkpoint recomputes each once per backward, "
             "but keeps the recomputed activations of that shared region alive between the calls (peak memory "
             "as without checkpointing there): worth it when the shared region is small."
         )
-        return dataclasses.replace(program.plan, notes=(*program.plan.notes, note))
+        return dataclasses.replace(plan, notes=(*plan.notes, note))
 
     def step(self) -> StepStats:
         """Close a micro-batch; on every ``accumulate``-th call, step every group's optimizer and scheduler.
@@ -290,6 +294,32 @@ class Router:
                 f"Router(..., allow_unreached=[{bad[0]!r}]) if that is intended"
             )
         return program
+
+
+def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Tensor]]) -> Plan:
+    """The plan with reach and leak columns for the router's groups that the call does not name."""
+    plan = program.plan
+    if not others:
+        return plan
+    g = program.graph
+    reach = {loss: dict(row) for loss, row in plan.reach.items()}
+    leaks = {loss: list(gs) for loss, gs in plan.leaks.items()}
+    for route in program.routes:
+        stack = [g.index[e.node] for e in (root_edge(t) for t in route.losses)]
+        seen = set(stack)
+        while stack:
+            for j, _ in g.succ[stack.pop()]:
+                if j not in seen:
+                    seen.add(j)
+                    stack.append(j)
+        reached = {id(g.leaf[i]) for i in seen if i in g.leaf}
+        own = {id(p) for p in route.params}
+        for name, params in others.items():
+            n = sum(1 for p in params if id(p) in reached)
+            reach[route.name][name] = n
+            if any(id(p) in reached and id(p) not in own for p in params):
+                leaks[route.name].append(name)
+    return dataclasses.replace(plan, reach=reach, leaks={k: tuple(v) for k, v in leaks.items()}, others=tuple(others))
 
 
 _RAW_SAVED: dict[type, tuple[str, ...]] = {}

@@ -11,8 +11,8 @@ import torch
 
 from ._distributed import live_params
 from ._execute import GraphFreedError, execute, freed_message
-from ._group import Group, GroupLike
 from ._graph import root_edge
+from ._group import Group, GroupLike
 from ._plan import Plan, PlanCache, Program, Route, build
 from ._step import StepStats
 

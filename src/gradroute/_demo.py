@@ -366,7 +366,14 @@ def _plot(path: Path, log: list[dict[str, Any]], tenc: Any, unet: Any, schedule:
                 a.set_ylabel(title, fontsize=8)
             if i == 0:
                 a.set_title(batch["captions"][j], fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.text(
+        0.5,
+        0.005,
+        "The UNet is trained on the masked loss only: it learns to denoise the shapes (outlined), not the background.",
+        ha="center",
+        fontsize=8,
+    )
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -540,3 +540,8 @@ def test_freed_check_does_not_unpack_checkpointed_tensors():
     assert len(calls) == 1  # the forward only
     router.backward(tenc=out.mean(), unet=out.pow(2).mean())
     assert len(calls) == 3  # torch's checkpoint recomputes once per engine call that enters the segment
+
+
+def test_groups_not_a_mapping_fails():
+    with pytest.raises(TypeError, match=r"`groups` must be a mapping of name -> group, got list"):
+        gradroute.Router([mlp(2, 2)])  # type: ignore[arg-type]

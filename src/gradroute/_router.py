@@ -60,15 +60,7 @@ class Router:
         allow_unreached: bool | Iterable[str] = False,
         **named_groups: GroupLike,
     ) -> None:
-        specs: dict[str, GroupLike] = {}
-        if groups is not None:
-            if not isinstance(groups, Mapping):
-                raise TypeError(f"`groups` must be a mapping of name -> group, got {type(groups).__name__}")
-            specs.update(groups)
-        for name, spec in named_groups.items():
-            if name in specs:
-                raise ValueError(f"group `{name}` is given twice (in `groups` and as a keyword)")
-            specs[name] = spec
+        specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
         if not specs:
             raise ValueError("`Router` needs at least one group, e.g. Router(tenc=text_encoder, unet=unet)")
         self._groups: dict[str, Group] = {}
@@ -234,18 +226,7 @@ class Router:
     # ------------------------------------------------------------------ internals
 
     def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
-        given: dict[str, LossLike] = {}
-        if losses is not None:
-            if not isinstance(losses, Mapping):
-                raise TypeError(
-                    f"`losses` must be a mapping of group name -> loss, got {type(losses).__name__} "
-                    f"(call {what}(name=loss, ...) or {what}({{'name': loss}}))"
-                )
-            given.update(losses)
-        for name, value in named.items():
-            if name in given:
-                raise ValueError(f"loss for group `{name}` is given twice (in `losses` and as a keyword)")
-            given[name] = value
+        given = _merge_named(losses, named, "losses", "loss for group", "group name -> loss", what)
         if not given:
             raise ValueError(f"`{what}` needs at least one loss, e.g. {what}(tenc=loss_tenc)")
         routes = []
@@ -294,6 +275,23 @@ class Router:
                 f"Router(..., allow_unreached=[{bad[0]!r}]) if that is intended"
             )
         return program
+
+
+def _merge_named(mapping: Any, named: Mapping[str, Any], arg: str, item: str, shape: str, call: str) -> dict[str, Any]:
+    """``mapping`` (positional) and ``named`` (keywords) as one dict; a name given in both is an error."""
+    out: dict[str, Any] = {}
+    if mapping is not None:
+        if not isinstance(mapping, Mapping):
+            raise TypeError(
+                f"`{arg}` must be a mapping of {shape}, got {type(mapping).__name__} "
+                f"(call {call}(name=..., ...) or {call}({{'name': ...}}))"
+            )
+        out.update(mapping)
+    for name, value in named.items():
+        if name in out:
+            raise ValueError(f"{item} `{name}` is given twice (in `{arg}` and as a keyword)")
+        out[name] = value
+    return out
 
 
 def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Tensor]]) -> Plan:

@@ -32,14 +32,14 @@ test: $(STAMP)-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)-test
-	$(PY) -m ruff check src tests examples benchmarks
-	$(PY) -m ruff format --check src tests examples benchmarks
+	$(PY) -m ruff check src tests examples
+	$(PY) -m ruff format --check src tests examples
 
 typecheck: $(STAMP)-test
 	$(PY) -m mypy
 
 bench: $(STAMP)-core
-	$(PY) -m gradroute bench --workload sd-tiny
+	PY=$(PY) bash benchmarks/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Re-runs every table of BENCHMARKS.md; raw results go to benchmarks/results/*.json and *.png.
+# CPU tables: run on a quiet machine (the strategies are interleaved step by step, but two OpenMP threads
+# fighting other jobs make medians unusable). GPU tables (sd15): a CUDA machine with diffusers+transformers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+out=benchmarks/results
+mkdir -p "$out"
+bench() { name=$1; shift; "$PY" -m gradroute bench "$@" --json "$out/$name.json" --plot "$out/$name.png"; }
+
+bench sd-tiny          --workload sd-tiny --steps 20 --warmup 3
+bench sd-tiny-ckpt     --workload sd-tiny --checkpointing --steps 20 --warmup 3
+bench gan              --workload gan --threads 1 --steps 20 --warmup 3
+bench actor-critic     --workload actor-critic --steps 50 --warmup 3
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  bench sd15-b8        --workload sd15 --batch-size 8 --steps 15 --warmup 3
+  bench sd15-b16       --workload sd15 --batch-size 16 --steps 10 --warmup 3
+  bench sd15-b32       --workload sd15 --batch-size 32 --steps 8 --warmup 3
+  bench sd15-b32-ckpt  --workload sd15 --batch-size 32 --steps 8 --warmup 3 --checkpointing
+fi

@@ -55,6 +55,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._autograd import _get_sequence_nr
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import (
     CheckpointError,
     _get_autocast_kwargs,
@@ -337,6 +339,12 @@ def checkpoint(
             with device_ac, torch.amp.autocast("cpu", **cpu_autocast), recompute_context:
                 fn(*inputs, **kwargs)
 
+    # Routed passes are interleaved segment by segment (see _plan): the segment's autograd nodes are the
+    # ones created between two sequence numbers, and every edge into or out of the segment gets a node of its
+    # own (a view per input here, a view per consuming op of each output, see _SegmentOutput), so that the
+    # gradient crossing one edge can be cut apart from the others flowing into the same tensor.
+    start = _get_sequence_nr()
+    args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
     frame = _Frame(replay, early_stop, determinism_check == "default")
     frame.args = list(args)
     tensors = []
@@ -352,6 +360,8 @@ def checkpoint(
     with _ForwardHooks(frame), forward_context:
         out = fn(*args, **kwargs)
     frame.forward_done = True
+    _SEGMENTS.append((start, _get_sequence_nr(), weakref.ref(frame)))
+    out = tree_map(_mark_output, out)
     if preserve_rng_state and not had_device and getattr(device_module, "_initialized", False):
         raise RuntimeError(
             "gradroute.checkpoint: the device was initialized inside the checkpointed function, so its RNG "
@@ -361,6 +371,52 @@ def checkpoint(
 
 
 _RAW_SAVED: dict[type, tuple[str, ...]] = {}
+
+#: (first, end) autograd sequence numbers of every checkpointed segment whose graph may be alive, in order.
+_SEGMENTS: list[tuple[int, int, weakref.ref[_Frame]]] = []
+
+
+def segments() -> list[tuple[int, int]]:
+    """The sequence-number ranges ``[first, end)`` of the live segments (their graphs not yet freed).
+
+    For the planner: a node whose ``_sequence_nr()`` falls in a range belongs to that segment. Nested
+    segments are reported as their outermost one.
+    """
+    live = [(a, b, f) for a, b, f in _SEGMENTS if f() is not None]
+    _SEGMENTS[:] = live
+    out: list[tuple[int, int]] = []
+    for a, b, _ in live:  # appended in forward order: a nested segment ends before its parent does
+        while out and out[-1][0] >= a:
+            out.pop()
+        out.append((a, b))
+    return sorted(out)
+
+
+class _SegmentOutput(torch.Tensor):
+    """A tensor a checkpointed segment returned: every op that consumes it consumes a view of its own.
+
+    Each consumer then sends its gradient through its own autograd node, which the planner can cut apart
+    from the others (a ``GradientEdge`` captures the sum flowing into a node input). The ops return plain
+    tensors; attribute reads (``.shape``, ``.grad_fn``, ...) see the tensor itself.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if getattr(func, "__name__", "") != "__get__" and torch.is_grad_enabled():
+                args, kwargs = tree_map(_own_view, (args, kwargs))
+            return func(*args, **kwargs)
+
+
+def _own_view(x: Any) -> Any:
+    return x.view_as(x) if isinstance(x, _SegmentOutput) else x
+
+
+def _mark_output(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.requires_grad and type(x) is torch.Tensor:
+        return x.as_subclass(_SegmentOutput)
+    return x
 
 
 def checkpoint_kind(node: Any) -> str | None:

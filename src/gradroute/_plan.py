@@ -19,6 +19,7 @@ Nothing here touches ``.grad``: ``_execute.py`` runs the program built here.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -400,10 +401,11 @@ def _analyse(g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEd
         if nd:
             last[i] = max(_bits(nd), key=lambda k: pos[k])
 
+    segment = _shared_segments(g, need)
     per_pass: list[tuple[list[Stage], list[list[int]]]] = []
     kept = 0
     for k in order:
-        st, members_of, k_kept = _stage_pass(g, k, routes, root_edges, pass_routes[k], need, last, target)
+        st, members_of, k_kept = _stage_pass(g, k, routes, root_edges, pass_routes[k], need, last, target, segment)
         kept += k_kept
         per_pass.append((st, members_of))
     stages = _schedule(g, per_pass, root_edges)
@@ -446,8 +448,13 @@ def _stage_pass(
     need: list[int],
     last: list[int],
     target: dict[int, int],
+    segment: dict[int, int],
 ) -> tuple[list[Stage], list[list[int]], int]:
     """Split pass ``k`` into stages of one label each; fall back to one retaining call if the cut is not clean.
+
+    ``segment`` maps the nodes of ``gradroute.checkpoint`` segments that several passes traverse to the
+    segment's position in backward order: such passes are cut between segments too, so that their calls
+    interleave segment by segment and each shared recomputation is freed before the next one is made.
 
     Returns the stages, the nodes each executes, and the number of nodes whose last execution retains.
     """
@@ -456,19 +463,19 @@ def _stage_pass(
     members = [i for i in topo if need[i] & bit]
     final = {i: last[i] == k for i in members}
     any_retained = not all(final.values())
+    lower = {i: 2 * segment[i] for i in members if i in segment}
     stage: dict[int, int] = {i: 0 for i in members}
     kept = 0
-    if any_retained:
-        # Cut as late as possible (deferred parts stay together, like a hand cut at the frontier) and as
-        # early as possible; where a cut is not clean, merge the stages involved into one retaining call.
-        # Keep the numbering that leaves the fewest nodes retained at their last use.
+    if any_retained or lower:
+        # Cut per shared checkpointed segment (if any), as late as possible (deferred parts stay together,
+        # like a hand cut at the frontier), or as early as possible; where a cut is not clean, resolve it (see
+        # _resolve). Keep the numbering that leaves the fewest nodes retained at their last use, preferring
+        # them in that order.
         best = None
-        for late in (True, False):
-            numbered = _number_stages(g, members, final, bit, need, late=late)
-            while (conflict := _conflict(g, k, numbered, need, target)) is not None:
-                lo, hi = conflict
-                merged = lo if lo % 2 else lo + 1
-                numbered = {i: merged if lo <= v <= hi else v for i, v in numbered.items()}
+        for how in ("segments", "late", "early") if lower else ("late", "early"):
+            bounds = lower if how == "segments" else {}
+            numbered = _number_stages(g, members, final, bit, need, late=how == "late", lower=bounds)
+            numbered = _resolve(g, k, numbered, need, target, final, move=how == "segments")
             n_kept = sum(1 for i, v in numbered.items() if v % 2 and final[i])
             if best is None or n_kept < best[0]:
                 best = (n_kept, numbered)
@@ -606,16 +613,52 @@ def _schedule(
     return [stages[sid] for sid in order]
 
 
+def _shared_segments(g: Graph, need: list[int]) -> dict[int, int]:
+    """The nodes of live ``gradroute.checkpoint`` segments that more than one pass enters -> the segment's
+    position in backward order (0 = created last). Empty when there is no such segment."""
+    from ._checkpoint import segments
+
+    ranges = segments()
+    if not ranges:
+        return {}
+    starts = [a for a, _ in ranges]
+    of: dict[int, int] = {}
+    shared: set[int] = set()
+    for i, nd in enumerate(need):
+        if nd:
+            seq = g.nodes[i]._sequence_nr()
+            r = bisect.bisect_right(starts, seq) - 1
+            if r >= 0 and seq < ranges[r][1]:
+                of[i] = r
+                if nd & (nd - 1):
+                    shared.add(r)
+    if not shared:
+        return {}
+    position = {r: pos for pos, r in enumerate(sorted(shared, reverse=True))}
+    return {i: position[r] for i, r in of.items() if r in position}
+
+
 def _number_stages(
-    g: Graph, members: list[int], final: dict[int, bool], bit: int, need: list[int], *, late: bool
+    g: Graph,
+    members: list[int],
+    final: dict[int, bool],
+    bit: int,
+    need: list[int],
+    *,
+    late: bool,
+    lower: dict[int, int],
 ) -> dict[int, int]:
-    """Stage numbers for one pass: monotone along gradient flow, even = final, odd = retained."""
+    """Stage numbers for one pass: monotone along gradient flow, even = final, odd = retained.
+
+    As early as possible (``late=False``: each node at the first stage its predecessors and its ``lower``
+    bound allow), or as late as possible (``late=True``).
+    """
     succ = g.succ
     stage: dict[int, int] = {}
     if not late:
         cand: dict[int, int] = {}
         for i in members:
-            base = cand.get(i, 0)
+            base = max(cand.get(i, 0), lower.get(i, 0))
             s = base if (base % 2 == 0) == final[i] else base + 1
             stage[i] = s
             for j, _ in succ[i]:
@@ -633,12 +676,11 @@ def _number_stages(
 
 def _conflict(
     g: Graph, k: int, stage: dict[int, int], need: list[int], target: dict[int, int]
-) -> tuple[int, int] | None:
-    """Two stages whose calls cannot be separated, or None when every call executes exactly its own nodes.
+) -> tuple[int, int, int] | None:
+    """``(s, t, j)``: the call of stage ``s`` captures or accumulates node ``j``, and would also execute a node
+    of the later stage ``t`` that feeds ``j``; None when every call executes exactly its own nodes.
 
-    The engine executes every node on a path from a call's starting edges to its captured edges and
-    targets. A call for stage ``s`` would wrongly execute a later-stage node ``p`` if ``p`` is reachable from
-    stage ``s`` and sends gradient into a node that stage ``s`` captures or accumulates.
+    The engine executes every node on a path from a call's starting edges to its captured edges and targets.
     """
     succ = g.succ
     bit = 1 << k
@@ -665,5 +707,46 @@ def _conflict(
             # an earlier stage that reaches p also captures or accumulates j, which p feeds from later
             both = sink_of.get(j, 0) & r
             if both:
-                return (both & -both).bit_length() - 1, s_p
+                return (both & -both).bit_length() - 1, s_p, j
     return None
+
+
+def _resolve(
+    g: Graph,
+    k: int,
+    numbered: dict[int, int],
+    need: list[int],
+    target: dict[int, int],
+    final: dict[int, bool],
+    *,
+    move: bool,
+) -> dict[int, int]:
+    """Resolve every conflict (see :func:`_conflict`) at a node ``j`` that stage ``s`` captures.
+
+    With ``move``, the stage-``s`` nodes whose only successor is ``j`` move to ``j``'s stage: their own inputs,
+    fed by nobody else, become the cuts (the views ``gradroute.checkpoint`` gives every edge into and out of
+    a segment). Otherwise, or if there are none, the stages from ``s`` to the conflicting one merge into one
+    call, retaining if any of its nodes must. (A hook reading one edge instead of a capture does not work:
+    the engine computes no gradient for an edge whose target the call does not need.)
+    """
+    succ = g.succ
+    bit = 1 << k
+    numbered = dict(numbered)
+    while (conflict := _conflict(g, k, numbered, need, target)) is not None:
+        s, t, j = conflict
+        changed = False
+        if move:
+            for u, s_u in list(numbered.items()):
+                if s_u != s:
+                    continue
+                outs = [jj for jj, _ in succ[u] if need[jj] & bit or target.get(jj, 0) & bit]
+                if outs and all(jj == j for jj in outs):
+                    later = numbered[j] if (numbered[j] % 2 == 0) == final[u] else numbered[j] - 1
+                    if later > s_u:
+                        numbered[u] = later
+                        changed = True
+        if not changed:
+            retain = any(not final[i] for i, v in numbered.items() if s <= v <= t)
+            merged = s if (s % 2 == 1) == retain else s + 1
+            numbered = {i: merged if s <= v <= t else v for i, v in numbered.items()}
+    return numbered

@@ -9,15 +9,17 @@ and every later call is served the same tensors. A recomputed tensor is dropped 
 saved it is freed (its last engine call runs without ``retain_graph``), and whatever is left when the router
 call returns is dropped then.
 
-The memory price: the router runs one pass through the whole region it shares with a later pass before that
-pass starts, so the recomputed tensors of every segment in that region are alive together between the two
-(the same as not checkpointing that region at all; torch's checkpoint keeps the checkpointed floor by
-recomputing in each pass). Interleaving the passes segment by segment would avoid it, but an engine call
-executes every node upstream of the edges it captures, and residual connections put later segments upstream
-of the cut edges, so the cut cannot be made. Sharing pays where the region several passes traverse is a
-small part of the checkpointed model (a discriminator or loss head shared by several losses); where it is
-most of the model (the UNet under a text-encoder loss) turn checkpointing off there if memory allows, or
-keep torch's checkpoint for the memory floor.
+Memory: kept between the first and the last engine call through a segment, the recomputed tensors would
+pile up if one pass went through a whole shared region before the next pass started. So the planner
+interleaves the passes segment by segment (``_plan``: the text-encoder pass through segment k with retain,
+then the UNet pass through segment k, freeing it, then segment k-1, ...), and at most one or two segments'
+recomputations are alive at a time. That needs a cut between segments, and a ``GradientEdge`` cut captures
+the sum of everything flowing into a node input: so every edge into and out of a segment gets an autograd
+node of its own, a view per input here and a view per consuming op of each output (:class:`_SegmentOutput`),
+and the segment's nodes are recognised by their sequence numbers (:func:`segments`). A tensor that plain,
+un-checkpointed code hands to ops on both sides of a segment (e.g. a residual ``x + block(x)`` with only the
+block checkpointed, as in diffusers' transformer blocks) still has one node for both; the planner then merges
+the segments in between into one call (exact; their recomputations are alive together).
 
 How it works (like torch's non-reentrant version, ``torch/utils/checkpoint.py``): the forward runs under
 ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook saves a small :class:`_Holder` instead of the
@@ -265,8 +267,9 @@ def checkpoint(
     same keyword arguments. Outside :meth:`gradroute.Router.backward` / :meth:`~gradroute.Router.grads` it
     behaves the same (one recomputation per backward call). Inside one, all engine calls of the router call
     share one recomputation of the segment; each recomputed tensor is freed with the autograd node that
-    saved it, at the latest when the router call returns. Between the first and the last engine call through
-    a segment its recomputed tensors stay alive (see the module notes on memory).
+    saved it, at the latest when the router call returns; the router interleaves its calls segment by segment
+    so that few segments' recomputations are alive at a time (see the module notes on memory). The tensors it
+    returns hand every op that consumes them a view of their own (for the planner's cuts).
 
     Args:
         fn: the segment to checkpoint.

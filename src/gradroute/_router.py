@@ -144,10 +144,8 @@ class Router:
         if not torch_ckpt:
             return plan
         note = (
-            f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call, and torch "
-            "recomputes their segments once per call. gradroute.checkpoint recomputes each once per backward, "
-            "but keeps the recomputed activations of that shared region alive between the calls (peak memory "
-            "as without checkpointing there): worth it when the shared region is small."
+            f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call: torch "
+            "recomputes their segments once per call; gradroute.checkpoint recomputes each once per backward."
         )
         return dataclasses.replace(plan, notes=(*plan.notes, note))
 

@@ -17,9 +17,11 @@ recomputations are alive at a time. That needs a cut between segments, and a ``G
 the sum of everything flowing into a node input: so every edge into and out of a segment gets an autograd
 node of its own, a view per input here and a view per consuming op of each output (:class:`_SegmentOutput`),
 and the segment's nodes are recognised by their sequence numbers (:func:`segments`). A tensor that plain,
-un-checkpointed code hands to ops on both sides of a segment (e.g. a residual ``x + block(x)`` with only the
-block checkpointed, as in diffusers' transformer blocks) still has one node for both; the planner then merges
-the segments in between into one call (exact; their recomputations are alive together).
+un-checkpointed code hands to ops on both sides of a segment still has one node for both; the planner then
+merges the segments in between into one call (exact; their recomputations are alive together). diffusers'
+``UNet2DConditionModel`` is such a case: its skip connections leave from un-checkpointed ops (downsamplers,
+the transformer models' residual adds), so there the interleaving mostly collapses and sharing costs the
+memory of not checkpointing the UNet; torch's checkpoint keeps the floor there.
 
 How it works (like torch's non-reentrant version, ``torch/utils/checkpoint.py``): the forward runs under
 ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook saves a small :class:`_Holder` instead of the

@@ -50,7 +50,15 @@ def cases(draw):
         for g in range(n_groups)
     }
     as_list = draw(st.booleans())
-    return {"nodes": nodes, "owner": owner, "also": also, "losses": losses, "as_list": as_list}
+    return {"nodes": nodes, "owner": owner, "also": also, "losses": losses, "as_list": as_list, "ckpt": ()}
+
+
+@st.composite
+def checkpointed_cases(draw):
+    """As :func:`cases`, with some nodes' module + activation run under ``gradroute.checkpoint``."""
+    case = draw(cases())
+    case["ckpt"] = tuple(draw(st.booleans()) for _ in case["nodes"])
+    return case
 
 
 def _wrap(t: torch.Tensor, how: str) -> torch.Tensor:
@@ -63,6 +71,14 @@ def _wrap(t: torch.Tensor, how: str) -> torch.Tensor:
     return t
 
 
+class _Block:
+    def __init__(self, module, act):
+        self.module, self.act = module, act
+
+    def __call__(self, h):
+        return self.act(self.module(h))
+
+
 def _build(case):
     nodes = case["nodes"]
     modules = [nn.Linear(W, W).to(D) for _ in nodes]
@@ -73,7 +89,8 @@ def _build(case):
         outs: dict[int, torch.Tensor] = {-1: x}
         for k, spec in enumerate(nodes):
             h = sum(_wrap(outs[s], w) for s, w in zip(spec["srcs"], spec["wraps"]))
-            outs[k] = ACTS[spec["act"]](modules[spec["module"]](h))
+            block = _Block(modules[spec["module"]], ACTS[spec["act"]])
+            outs[k] = gradroute.checkpoint(block, h) if case["ckpt"] and case["ckpt"][k] else block(h)
         result = {}
         for g, terms in case["losses"].items():
             vals = []
@@ -130,6 +147,13 @@ def _check(case):
 @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_generated_graphs_exact(case):
+    _check(case)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(checkpointed_cases())
+def test_generated_graphs_with_checkpointed_segments_exact(case):
+    """Segments shared by several passes make the planner cut and interleave per segment."""
     _check(case)
 
 

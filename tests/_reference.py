@@ -58,3 +58,19 @@ def assert_grads_match(
         want = exp if before is None else before + exp
         assert p.grad is not None, f"parameter {k} got no gradient"
         torch.testing.assert_close(p.grad, want, rtol=rtol, atol=atol, msg=f"parameter {k}")
+
+
+def assert_routed_exact(
+    forward: Callable[[], Losses],
+    groups: Mapping[str, Sequence[torch.Tensor]],
+    *,
+    rtol: float = 1e-10,
+    atol: float = 1e-12,
+) -> None:
+    """``Router(groups).backward(**forward())`` gives every parameter the per-loss reference gradients."""
+    import gradroute
+
+    expected = reference_grads(forward, groups)
+    gradroute.Router(groups).backward(**forward())
+    params = list(dict.fromkeys(p for ps in groups.values() for p in ps))
+    assert_grads_match(params, expected, rtol=rtol, atol=atol)

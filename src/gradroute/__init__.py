@@ -5,7 +5,7 @@ autograd graph. See :class:`Router`.
 """
 
 from . import schedules
-from ._checkpoint import checkpoint
+from ._checkpoint import checkpoint, checkpoint_modules
 from ._execute import GraphFreedError
 from ._group import Group
 from ._plan import Call, Plan
@@ -21,6 +21,7 @@ __all__ = [
     "Router",
     "StepStats",
     "checkpoint",
+    "checkpoint_modules",
     "schedules",
 ]
 __version__ = "0.1.0"

@@ -20,8 +20,10 @@ and the segment's nodes are recognised by their sequence numbers (:func:`segment
 un-checkpointed code hands to ops on both sides of a segment still has one node for both; the planner then
 merges the segments in between into one call (exact; their recomputations are alive together). diffusers'
 ``UNet2DConditionModel`` is such a case: its skip connections leave from un-checkpointed ops (downsamplers,
-the transformer models' residual adds), so there the interleaving mostly collapses and sharing costs the
-memory of not checkpointing the UNet; torch's checkpoint keeps the floor there.
+the transformer models' residual adds), so with its own switch the interleaving collapses and sharing costs
+the memory of not checkpointing the UNet; :func:`checkpoint_modules` on whole blocks
+(``*unet.down_blocks, unet.mid_block, *unet.up_blocks``) makes the block outputs segment outputs and the
+calls interleave again.
 
 How it works (like torch's non-reentrant version, ``torch/utils/checkpoint.py``): the forward runs under
 ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook saves a small :class:`_Holder` instead of the
@@ -53,6 +55,7 @@ and the parameters inside its segments are not in the autograd graph the router 
 from __future__ import annotations
 
 import contextlib
+import functools
 import uuid
 import weakref
 from collections.abc import Callable
@@ -75,7 +78,7 @@ from . import _session
 
 # torch's non-reentrant checkpoint saves these in its segments' nodes (private; absent in some versions)
 _TorchHolder: type | None = getattr(torch.utils.checkpoint, "_Holder", None)
-__all__ = ["checkpoint", "checkpoint_kind"]
+__all__ = ["checkpoint", "checkpoint_kind", "checkpoint_modules"]
 
 _DETERMINISM = ("default", "none")
 
@@ -349,7 +352,7 @@ def checkpoint(
     # own (a view per input here, a view per consuming op of each output, see _SegmentOutput), so that the
     # gradient crossing one edge can be cut apart from the others flowing into the same tensor.
     start = _get_sequence_nr()
-    args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+    args, kwargs = tree_map(_input_view, (args, kwargs))
     frame = _Frame(replay, early_stop, determinism_check == "default")
     frame.args = list(args)
     tensors = []
@@ -373,6 +376,33 @@ def checkpoint(
             "state could not be saved; initialize it (e.g. torch.cuda.init()) before the forward"
         )
     return out
+
+
+def checkpoint_modules(*modules: torch.nn.Module) -> None:
+    """Run each module's whole forward under :func:`checkpoint`, one segment per module.
+
+    Coarser than a library's own switch (which checkpoints the layers inside a block), but every tensor
+    that leaves a segment then hands each consumer a view of its own: the router can cut and interleave its
+    calls between the segments even where a block's outputs feed skip connections (diffusers' UNet blocks),
+    so each shared recomputation is freed before the next is made. Module hooks run outside the segment.
+
+    Args:
+        *modules: the modules to checkpoint (e.g. ``*unet.down_blocks, unet.mid_block, *unet.up_blocks``).
+
+    Raises:
+        TypeError: an argument is not an ``nn.Module``.
+
+    Example:
+        >>> import torch, gradroute
+        >>> body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        >>> gradroute.checkpoint_modules(body[0], body[2])
+        >>> body(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    """
+    for k, m in enumerate(modules):
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"`modules` item {k} must be an nn.Module, got {type(m).__name__}")
+    for m in modules:
+        m.forward = functools.partial(checkpoint, m.forward)  # type: ignore[method-assign]
 
 
 _RAW_SAVED: dict[type, tuple[str, ...]] = {}
@@ -412,6 +442,10 @@ class _SegmentOutput(torch.Tensor):
             if getattr(func, "__name__", "") != "__get__" and torch.is_grad_enabled():
                 args, kwargs = tree_map(_own_view, (args, kwargs))
             return func(*args, **kwargs)
+
+
+def _input_view(x: Any) -> Any:
+    return x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x
 
 
 def _own_view(x: Any) -> Any:

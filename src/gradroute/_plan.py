@@ -450,7 +450,7 @@ def _stage_pass(
     target: dict[int, int],
     segment: dict[int, int],
 ) -> tuple[list[Stage], list[list[int]], int]:
-    """Split pass ``k`` into stages of one label each; fall back to one retaining call if the cut is not clean.
+    """Split pass ``k`` into stages of one label each; where a cut is not clean, merge the stages involved.
 
     ``segment`` maps the nodes of ``gradroute.checkpoint`` segments that several passes traverse to the
     segment's position in backward order: such passes are cut between segments too, so that their calls

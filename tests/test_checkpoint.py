@@ -450,6 +450,25 @@ def _live_recomputations() -> int:
     return n
 
 
+def _backward_sampling_live(
+    monkeypatch: pytest.MonkeyPatch, router: gradroute.Router, losses: dict[str, torch.Tensor]
+) -> list[int]:
+    """Run ``router.backward(**losses)``; after each engine call, count the segments holding recomputations."""
+    live: list[int] = []
+    for name in ("grad", "backward"):
+        engine = getattr(torch.autograd, name)
+
+        def sampled(*args: Any, _engine: Any = engine, **kwargs: Any) -> Any:
+            out = _engine(*args, **kwargs)
+            live.append(_live_recomputations())
+            return out
+
+        monkeypatch.setattr(torch.autograd, name, sampled)
+    router.backward(**losses)
+    monkeypatch.undo()
+    return live
+
+
 def test_routed_calls_interleave_per_segment_and_free_each_recomputation(monkeypatch: pytest.MonkeyPatch) -> None:
     from gradroute._demo_models import make_batch, make_models, route_losses
 
@@ -476,18 +495,7 @@ def test_routed_calls_interleave_per_segment_and_free_each_recomputation(monkeyp
     unet_calls = [c for c in plan.calls if c.groups == ("unet",)]
     assert plan.kept_nodes == 0 and len(unet_calls) >= 4  # one per shared segment, not one for the whole UNet
 
-    live: list[int] = []
-    for name in ("grad", "backward"):
-        engine = getattr(torch.autograd, name)
-
-        def sampled(*args: Any, _engine: Any = engine, **kwargs: Any) -> Any:
-            out = _engine(*args, **kwargs)
-            live.append(_live_recomputations())
-            return out
-
-        monkeypatch.setattr(torch.autograd, name, sampled)
-    router.backward(**losses)
-    monkeypatch.undo()
+    live = _backward_sampling_live(monkeypatch, router, losses)
     # each segment's shared recomputation is freed by the UNet call that follows the text-encoder call that
     # made it, before the segment after the next is recomputed (all 6 would stay alive without interleaving)
     assert max(live) <= 2, live
@@ -510,18 +518,7 @@ def test_checkpoint_modules_lets_the_router_interleave_diffusers_blocks(monkeypa
     # diffusers' skip connections leave from un-checkpointed ops, which merges the per-layer segments;
     # whole blocks as segments separate again
     assert plan.kept_nodes == 0 and len(plan.calls) > collapsed + 3
-    live: list[int] = []
-    for name in ("grad", "backward"):
-        engine = getattr(torch.autograd, name)
-
-        def sampled(*args: Any, _engine: Any = engine, **kwargs: Any) -> Any:
-            out = _engine(*args, **kwargs)
-            live.append(_live_recomputations())
-            return out
-
-        monkeypatch.setattr(torch.autograd, name, sampled)
-    router.backward(**losses)
-    monkeypatch.undo()
+    live = _backward_sampling_live(monkeypatch, router, losses)
     assert max(live) <= 2 and live[-1] == 0, live
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
 

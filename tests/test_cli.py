@@ -238,3 +238,16 @@ def test_bench_negative_warmup_fails(capsys):
 def test_help_exits_zero(capsys):
     assert main(["bench", "--help"]) == 0
     assert "--strategies" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("strategy", ["gradroute_ckpt", "gradroute_blocks"])
+def test_sd15_tiny_checkpointing_strategies_route_exactly(strategy):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from gradroute._bench import Runner, measure
+    from gradroute._workloads import build
+
+    runner = Runner(build("sd15", batch_size=1, size="tiny", checkpointing=True), "fp32")
+    res = measure(runner, ["sum", "cut", strategy, "gradroute"], steps=1, warmup=0)
+    for s in ("cut", strategy, "gradroute"):
+        assert res[s]["err"] <= 1e-5, (s, res[s])

@@ -19,6 +19,9 @@ Strategies (``up``/``down`` are the upstream and downstream groups of the worklo
 * ``gradroute_ckpt`` -- with ``--checkpointing`` only: the same with ``gradroute.checkpoint`` as both
   networks' checkpoint function (one recomputation per segment for all engine calls), where the other
   strategies use ``torch.utils.checkpoint`` (non-reentrant).
+* ``gradroute_blocks`` -- with ``--checkpointing`` only: ``gradroute`` with ``gradroute.checkpoint_modules``
+  on whole UNet blocks (``sd15``: down, mid and up blocks instead of diffusers' per-layer switch, so that the
+  router can interleave its calls per block; ``sd-tiny`` checkpoints whole blocks already: as ``gradroute_ckpt``).
 
 Measured per strategy: the relative L2 error of each group's gradient against a reference of independent
 forwards (one fresh forward per loss and ``torch.autograd.grad``, under the same dtype/autocast as the run,
@@ -50,7 +53,8 @@ from ._workloads import DEFAULT_BATCH, Workload, build
 
 STRATEGIES = ("sum", "seed", "retain_twice", "freeze", "two_forward", "pruned", "cut", "gradroute")
 #: with activation checkpointing only
-CKPT_STRATEGIES = ("gradroute_ckpt",)
+#: strategy -> the checkpoint kind the workload switches to (see ``Workload.set_checkpoint``)
+CKPT_STRATEGIES = {"gradroute_ckpt": "gradroute", "gradroute_blocks": "blocks"}
 #: strategies whose gradients are wrong by design
 INEXACT = ("sum", "seed")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,7 +107,7 @@ class Runner:
     def prepare(self, strategy: str) -> None:
         """Untimed set-up before a step: the checkpoint function the strategy uses."""
         if self.wl.set_checkpoint is not None:
-            self.wl.set_checkpoint("gradroute" if strategy in CKPT_STRATEGIES else "torch")
+            self.wl.set_checkpoint(CKPT_STRATEGIES.get(strategy, "torch"))
 
     def step(self, strategy: str) -> None:
         STRATEGY_FNS[strategy](self)
@@ -205,6 +209,7 @@ STRATEGY_FNS: dict[str, Callable[[Runner], None]] = {
     "cut": _cut,
     "gradroute": _gradroute,
     "gradroute_ckpt": _gradroute,
+    "gradroute_blocks": _gradroute,
 }
 
 

@@ -46,7 +46,8 @@ class Workload:
         down: ``(batch, boundary, need) -> {group name: scalar loss}`` for the names in ``need``.
         info: sizes, for the report.
         set_checkpoint: with activation checkpointing, switches the checkpoint function of both networks:
-            ``"torch"`` (``torch.utils.checkpoint``, non-reentrant) or ``"gradroute"`` (``gradroute.checkpoint``).
+            ``"torch"`` (``torch.utils.checkpoint``, non-reentrant), ``"gradroute"`` (``gradroute.checkpoint``) or
+            ``"blocks"`` (``gradroute.checkpoint_modules`` on whole UNet blocks).
     """
 
     name: str
@@ -141,7 +142,7 @@ def _sd_tiny(bs: int, dev: torch.device, checkpointing: bool, seed: int, width: 
     def set_checkpoint(kind: str) -> None:
         import gradroute
 
-        tenc.checkpoint_fn = unet.checkpoint_fn = gradroute.checkpoint if kind == "gradroute" else None
+        tenc.checkpoint_fn = unet.checkpoint_fn = gradroute.checkpoint if kind in ("gradroute", "blocks") else None
 
     return Workload(
         "sd-tiny",
@@ -434,12 +435,20 @@ def _sd15(bs: int, dev: torch.device, checkpointing: bool, seed: int, size: str)
             return
         import gradroute
 
-        if kind == "gradroute":
+        blocks = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
+        for m in blocks:  # undo checkpoint_modules
+            m.__dict__.pop("forward", None)
+        if kind == "blocks":
+            unet.disable_gradient_checkpointing()
+            gradroute.checkpoint_modules(*blocks)
+        elif kind == "gradroute":
             unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)
-            tenc._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=gradroute.checkpoint)
         else:
             unet.enable_gradient_checkpointing()
+        if kind == "torch":
             tenc.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            tenc._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=gradroute.checkpoint)
         current[0] = kind
 
     return Workload(

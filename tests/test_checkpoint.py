@@ -527,3 +527,12 @@ def test_checkpoint_modules_lets_the_router_interleave_diffusers_blocks(monkeypa
 def test_checkpoint_modules_non_module_fails(bad: Any) -> None:
     with pytest.raises(TypeError, match=r"`modules` item 1 must be an nn.Module"):
         gradroute.checkpoint_modules(nn.Linear(2, 2), bad)
+
+
+def test_segment_record_does_not_grow_without_a_router() -> None:
+    from gradroute import _checkpoint
+
+    lin = nn.Linear(3, 3)
+    for _ in range(500):
+        gradroute.checkpoint(lin, torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert len(_checkpoint._SEGMENTS) <= 128

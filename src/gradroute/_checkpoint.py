@@ -368,7 +368,7 @@ def checkpoint(
     with _ForwardHooks(frame), forward_context:
         out = fn(*args, **kwargs)
     frame.forward_done = True
-    _SEGMENTS.append((start, _get_sequence_nr(), weakref.ref(frame)))
+    _record_segment(start, _get_sequence_nr(), frame)
     out = tree_map(_mark_output, out)
     if preserve_rng_state and not had_device and getattr(device_module, "_initialized", False):
         raise RuntimeError(
@@ -409,6 +409,21 @@ _RAW_SAVED: dict[type, tuple[str, ...]] = {}
 
 #: (first, end) autograd sequence numbers of every checkpointed segment whose graph may be alive, in order.
 _SEGMENTS: list[tuple[int, int, weakref.ref[_Frame]]] = []
+_PRUNE_AT = [64]  # prune the record when it grows past this (twice the live count after the last prune)
+
+
+def _prune() -> list[tuple[int, int, weakref.ref[_Frame]]]:
+    _SEGMENTS[:] = [(a, b, f) for a, b, f in _SEGMENTS if f() is not None]
+    _PRUNE_AT[0] = max(64, 2 * len(_SEGMENTS))
+    return _SEGMENTS
+
+
+def _record_segment(first: int, end: int, frame: _Frame) -> None:
+    """Remember a segment's sequence-number range while its graph lives (amortised pruning: forwards that
+    are never routed, or whose plan comes from the cache, must not grow the record)."""
+    _SEGMENTS.append((first, end, weakref.ref(frame)))
+    if len(_SEGMENTS) > _PRUNE_AT[0]:
+        _prune()
 
 
 def segments() -> list[tuple[int, int]]:
@@ -417,8 +432,7 @@ def segments() -> list[tuple[int, int]]:
     For the planner: a node whose ``_sequence_nr()`` falls in a range belongs to that segment. Nested
     segments are reported as their outermost one.
     """
-    live = [(a, b, f) for a, b, f in _SEGMENTS if f() is not None]
-    _SEGMENTS[:] = live
+    live = _prune()
     out: list[tuple[int, int]] = []
     for a, b, _ in live:  # appended in forward order: a nested segment ends before its parent does
         while out and out[-1][0] >= a:

@@ -329,32 +329,21 @@ def _sd_tiny(ck: CK) -> tuple[nn.Module, nn.Module, Callable[[], dict[str, torch
     """diffusers UNet2DConditionModel + transformers CLIPTextModel, tiny, float64, with their own switches."""
     diffusers = pytest.importorskip("diffusers")
     transformers = pytest.importorskip("transformers")
+    from gradroute._workloads import sd15_configs
+
+    unet_config, text_config = sd15_configs("tiny")  # the bench's tiny SD-1.5 block types
     torch.manual_seed(0)
-    unet = diffusers.UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        norm_num_groups=32,
-    ).double()
+    unet = diffusers.UNet2DConditionModel(**unet_config).double()
     config = transformers.CLIPTextConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=16,
-        hidden_act="quick_gelu",
-        projection_dim=32,
-        attention_dropout=0.1,  # RNG inside the text encoder's checkpointed layers
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
+        **{
+            **text_config,
+            "vocab_size": 100,
+            "max_position_embeddings": 16,
+            "attention_dropout": 0.1,  # RNG inside the text encoder's checkpointed layers
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 1,
+        }
     )
     tenc = transformers.CLIPTextModel(config).double()
     unet.train()

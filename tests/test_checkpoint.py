@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -113,6 +114,29 @@ def test_recomputed_tensors_freed_after_backward() -> None:
     made = [s for b in [*tenc.blocks, *unet.blocks] for s in b.storages]
     assert len(made) == 2 * 5
     assert all(s.expired() for s in made)  # while ``ls`` still holds the (freed) graph
+
+
+@pytest.mark.parametrize("routed", [True, False])
+def test_graph_and_segment_inputs_freed_without_the_cycle_collector(routed: bool) -> None:
+    # the segment inputs (kept for the recomputation) must go with the graph by reference counting alone: a
+    # reference cycle would keep a step's boundaries alive into the next steps until the collector runs
+    # (torch's own non-reentrant checkpoint does not pass this with a plain backward, torch 2.13)
+    tenc, unet = make()
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    x = torch.randn(5, D, dtype=torch.float64)
+    gc.disable()
+    try:
+        h = tenc(x, gradroute.checkpoint)
+        inputs = StorageWeakRef(h.untyped_storage())
+        loss = unet(h, gradroute.checkpoint) ** 2
+        if routed:
+            router.backward(tenc=loss.mean(), unet=loss.sum())
+        else:
+            (loss.mean() + loss.sum()).backward()
+        del h, loss
+        assert inputs.expired()
+    finally:
+        gc.enable()
 
 
 def test_routed_backward_exit_drops_what_a_retained_graph_keeps() -> None:

@@ -35,5 +35,7 @@ def routed_backward() -> Iterator[Session]:
         yield session
     finally:
         _current = outer
-        for fn in session.on_exit:
+        # the callbacks hold the session (their key): drop them so nothing waits for the cycle collector
+        callbacks, session.on_exit = session.on_exit, []
+        for fn in callbacks:
             fn()

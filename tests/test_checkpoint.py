@@ -139,6 +139,44 @@ def test_graph_and_segment_inputs_freed_without_the_cycle_collector(routed: bool
         gc.enable()
 
 
+class _Reuses(nn.Module):
+    """Hands one tensor to several ops, to one call twice (``query is key`` fast paths), and writes in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True).double()
+        self.lin = nn.Linear(D, D).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        a, _ = self.attn(h, h, h, need_weights=False)  # self-attention: the fused projection path
+        y = h * 2
+        y.add_(a)
+        return torch.tanh(y) + h
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_segment_ops_see_the_same_tensors_and_route_exactly(chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # inside a segment the second and later consumers of a tensor get views of their own (cuts between chunks);
+    # the same tensor passed twice to one call stays one object, so the recomputation saves what the forward
+    # saved (nn.MultiheadAttention takes its fused path only when ``query is key is value``)
+    from gradroute import _plan
+
+    if chunk is not None:
+        monkeypatch.setattr(_plan, "_CHUNK", chunk)
+    tenc, unet = nn.Linear(D, D).double(), _Reuses()
+    x = torch.randn(2, 3, D, dtype=torch.float64)
+
+    def forward() -> dict[str, torch.Tensor]:
+        out = gradroute.checkpoint(unet, tenc(x)) ** 2
+        return {"tenc": out.mean(), "unet": out[..., :2].sum()}
+
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(forward, groups)
+    gradroute.Router(tenc=tenc, unet=unet).backward(**forward())
+    assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
+
+
 def test_routed_backward_exit_drops_what_a_retained_graph_keeps() -> None:
     tenc, unet = make()
     ls = losses(tenc, unet, gradroute.checkpoint)
@@ -464,16 +502,20 @@ def _live_recomputations() -> int:
 
 
 def _backward_sampling_live(
-    monkeypatch: pytest.MonkeyPatch, router: gradroute.Router, losses: dict[str, torch.Tensor]
+    monkeypatch: pytest.MonkeyPatch,
+    router: gradroute.Router,
+    losses: dict[str, torch.Tensor],
+    count: Callable[[], int] = _live_recomputations,
 ) -> list[int]:
-    """Run ``router.backward(**losses)``; after each engine call, count the segments holding recomputations."""
+    """Run ``router.backward(**losses)``; after each engine call, ``count()`` (by default: the segments holding
+    recomputations)."""
     live: list[int] = []
     for name in ("grad", "backward"):
         engine = getattr(torch.autograd, name)
 
         def sampled(*args: Any, _engine: Any = engine, **kwargs: Any) -> Any:
             out = _engine(*args, **kwargs)
-            live.append(_live_recomputations())
+            live.append(count())
             return out
 
         monkeypatch.setattr(torch.autograd, name, sampled)
@@ -513,6 +555,38 @@ def test_routed_calls_interleave_per_segment_and_free_each_recomputation(monkeyp
     # made it, before the segment after the next is recomputed (all 6 would stay alive without interleaving)
     assert max(live) <= 2, live
     assert live[-1] == 0
+    assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
+
+
+def test_routed_calls_interleave_inside_one_segment_and_free_it_chunk_by_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the whole unet is one segment: the passes through it are cut every few nodes (the second consumer of
+    # each residual stream gets a view of its own), so the recomputation is freed as the unet pass goes down
+    tenc, unet = Net(D, 1).double(), Net(D, 12).double()
+
+    def forward() -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(3)
+        x, target = torch.randn(5, D, generator=g, dtype=torch.float64), torch.randn(5, D, generator=g)
+        torch.manual_seed(3)
+        loss = (gradroute.checkpoint(unet, tenc(x, None), None) - target.double()) ** 2
+        return {"tenc": loss.mean(), "unet": loss[:, :3].mean()}
+
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(forward, groups)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    losses = forward()
+    plan = router.plan(**losses)
+    assert plan.kept_nodes == 0 and sum(c.groups == ("unet",) for c in plan.calls) >= 3
+
+    for b in unet.blocks:
+        b.storages.clear()  # (the reference's backwards recomputed too)
+    made = [b.storages for b in unet.blocks]
+    live = _backward_sampling_live(monkeypatch, router, losses, lambda: sum(not s.expired() for st in made for s in st))
+    assert sum(map(len, made)) == 2 * 12  # one recomputation
+    after_first = [n for n in live if n]
+    # all 24 made at once, then freed in several steps (without chunks: all until one unet call frees them)
+    assert after_first[0] == 24 and len(set(after_first)) >= 3 and live[-1] == 0, live
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradroute
+from gradroute import _plan
 from tests._reference import assert_grads_match, reference_grads
 
 D = torch.float64
@@ -57,7 +58,16 @@ def cases(draw):
 def checkpointed_cases(draw):
     """As :func:`cases`, with some nodes' module + activation run under ``gradroute.checkpoint``."""
     case = draw(cases())
-    case["ckpt"] = tuple(draw(st.booleans()) for _ in case["nodes"])
+    # spans [a, b) of consecutive nodes, each run as one segment (fan-outs and sums inside it)
+    spans, k, n = [], 0, len(case["nodes"])
+    while k < n:
+        length = draw(st.integers(1, n - k))
+        if draw(st.booleans()):
+            spans.append((k, k + length))
+        k += length
+    case["ckpt"] = tuple(spans)
+    # nodes per interleaved chunk of a shared segment (None: the planner's default)
+    case["chunk"] = draw(st.sampled_from([None, 1, 2, 3]))
     return case
 
 
@@ -85,12 +95,31 @@ def _build(case):
     x = torch.randn(4, W, dtype=D)
     mask = (torch.rand(4, W) > 0.5).to(D)
 
+    def run(k: int, outs: dict[int, torch.Tensor]) -> torch.Tensor:
+        spec = nodes[k]
+        h = sum(_wrap(outs[s], w) for s, w in zip(spec["srcs"], spec["wraps"]))
+        return _Block(modules[spec["module"]], ACTS[spec["act"]])(h)
+
     def forward():
         outs: dict[int, torch.Tensor] = {-1: x}
-        for k, spec in enumerate(nodes):
-            h = sum(_wrap(outs[s], w) for s, w in zip(spec["srcs"], spec["wraps"]))
-            block = _Block(modules[spec["module"]], ACTS[spec["act"]])
-            outs[k] = gradroute.checkpoint(block, h) if case["ckpt"] and case["ckpt"][k] else block(h)
+        spans = dict(case["ckpt"])
+        k = 0
+        while k < len(nodes):
+            if k not in spans:
+                outs[k] = run(k, outs)
+                k += 1
+                continue
+            a, b = k, spans[k]
+            ins = sorted({s for j in range(a, b) for s in nodes[j]["srcs"] if s < a})
+
+            def segment(*xs: torch.Tensor, a: int = a, b: int = b, ins: list[int] = ins) -> tuple[torch.Tensor, ...]:
+                local = dict(zip(ins, xs))
+                for j in range(a, b):
+                    local[j] = run(j, local)
+                return tuple(local[j] for j in range(a, b))
+
+            outs.update(zip(range(a, b), gradroute.checkpoint(segment, *(outs[s] for s in ins))))
+            k = b
         result = {}
         for g, terms in case["losses"].items():
             vals = []
@@ -119,6 +148,19 @@ def _build(case):
 
 
 def _check(case):
+    chunk = case.get("chunk")
+    if chunk is None:
+        _check_exact(case)
+        return
+    default = _plan._CHUNK
+    _plan._CHUNK = chunk
+    try:
+        _check_exact(case)
+    finally:
+        _plan._CHUNK = default
+
+
+def _check_exact(case):
     forward, groups, params = _build(case)
     routed = {name: loss for name, loss in forward().items() if name in groups}
     names = list(routed)

@@ -41,12 +41,12 @@ def test_text_encoder_unet_exact(seed_setup):
 def test_seed_plan_cuts_at_text_encoder_output(seed_setup):
     tenc, unet, forward = seed_setup
     plan = gradroute.Router(tenc=tenc, unet=unet).plan(**forward())
-    # the text-encoder loss goes first, retaining only through the shared UNet (input gradients only),
+    # the text-encoder loss goes first (its loss node keeps nothing: no call of its own), retaining only
+    # through the shared UNet (input gradients only),
     # then the UNet loss frees the UNet while computing its weight gradients, then the text encoder's part
     # of the first pass runs from the cut at its output and frees it
     assert plan.passes == (("tenc",), ("unet",))
     assert [(c.groups[0], c.retain) for c in plan.calls] == [
-        ("tenc", False),
         ("tenc", True),
         ("unet", False),
         ("tenc", False),
@@ -150,3 +150,49 @@ def test_plan_shows_leaks_into_groups_the_call_does_not_name():
     assert plan.leaks["actor"] == ("critic",)
     text = str(plan)
     assert "critic" in text.splitlines()[3] and "actor -> critic" in text
+
+
+def _custom(x: torch.Tensor) -> torch.Tensor:
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    return Twice.apply(x)
+
+
+def _copy_slices(x: torch.Tensor) -> torch.Tensor:
+    y = x * 1
+    y[0] = 0.0
+    return y
+
+
+@pytest.mark.parametrize(
+    ("op", "expected"),
+    [
+        (lambda x: x.view(-1), True),
+        (lambda x: x.t(), True),
+        (lambda x: x + x, True),
+        (lambda x: torch.cat([x, x]), True),
+        (lambda x: x * x, False),
+        (lambda x: x.sin(), False),
+        (lambda x: x @ x, False),
+        (_custom, False),
+        (_copy_slices, False),
+    ],
+)
+def test_stateless_nodes_are_those_that_save_no_tensors(op, expected):
+    # a stateless node may run in any number of engine calls, retaining or not (the planner relies on it)
+    from gradroute._graph import stateless
+
+    x = torch.randn(3, 3, requires_grad=True)
+    out = op(x)
+    assert stateless(out.grad_fn) is expected
+    if expected:  # released by a call without retain_graph, it runs again
+        total = out.sum()
+        first = torch.autograd.grad(total, x)
+        torch.testing.assert_close(torch.autograd.grad(total, x), first, rtol=0, atol=0)

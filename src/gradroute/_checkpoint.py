@@ -11,19 +11,24 @@ call returns is dropped then.
 
 Memory: kept between the first and the last engine call through a segment, the recomputed tensors would
 pile up if one pass went through a whole shared region before the next pass started. So the planner
-interleaves the passes segment by segment (``_plan``: the text-encoder pass through segment k with retain,
-then the UNet pass through segment k, freeing it, then segment k-1, ...), and at most one or two segments'
-recomputations are alive at a time. That needs a cut between segments, and a ``GradientEdge`` cut captures
-the sum of everything flowing into a node input: so every edge into and out of a segment gets an autograd
-node of its own, a view per input here and a view per consuming op of each output (:class:`_SegmentOutput`),
-and the segment's nodes are recognised by their sequence numbers (:func:`segments`). A tensor that plain,
-un-checkpointed code hands to ops on both sides of a segment still has one node for both; the planner then
-merges the segments in between into one call (exact; their recomputations are alive together). diffusers'
-``UNet2DConditionModel`` is such a case: its skip connections leave from un-checkpointed ops (downsamplers,
-the transformer models' residual adds), so with its own switch the interleaving collapses and sharing costs
-the memory of not checkpointing the UNet; :func:`checkpoint_modules` on whole blocks
-(``*unet.down_blocks, unet.mid_block, *unet.up_blocks``) makes the block outputs segment outputs and the
-calls interleave again.
+interleaves the passes chunk by chunk (``_plan``: the text-encoder pass through the top ``_plan._CHUNK``
+nodes of segment k with retain, then the UNet pass through them, freeing them, then the next chunk, ...,
+then segment k-1): a segment's recomputation is freed as the passes go down it, and a retaining call holds
+about one chunk's worth of activations that a plain backward would already have freed. That needs cuts,
+and a ``GradientEdge`` cut captures the sum of everything flowing into a node input: so every edge into and
+out of a segment gets an autograd node of its own (a view per input here, a view per consuming op of each
+output: :class:`_SegmentOutput`), and so does every second and later consumer of a tensor inside the segment
+(:class:`_ConsumerViews`, during the original forward only: views save nothing, so the recomputation saves
+the same tensors). The segment's nodes are recognised by their sequence numbers (:func:`segments`). What
+stays above a plain backward's peak is the second cotangent: at every cut, both passes' gradients are alive.
+
+A tensor that plain, un-checkpointed code hands to ops on both sides of a segment still has one node for
+both; the planner then merges the segments in between into one call (exact; their recomputations are alive
+together). diffusers' ``UNet2DConditionModel`` is such a case: its skip connections leave from
+un-checkpointed ops (downsamplers, the transformer models' residual adds), so with its own switch the
+interleaving collapses and sharing costs the memory of not checkpointing the UNet; :func:`checkpoint_modules`
+on whole blocks (``*unet.down_blocks, unet.mid_block, *unet.up_blocks``) makes the block outputs segment
+outputs and the calls interleave again.
 
 How it works (like torch's non-reentrant version, ``torch/utils/checkpoint.py``): the forward runs under
 ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook saves a small :class:`_Holder` instead of the
@@ -73,6 +78,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
     set_device_states,
 )
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _session
 
@@ -365,7 +371,7 @@ def checkpoint(
         # the dummy makes the saver an autograd node even when no input requires grad
         dummy = torch.empty(0, requires_grad=True)
         frame.saver = _SaveInputs.apply(dummy, *tensors).grad_fn
-    with _ForwardHooks(frame), forward_context:
+    with _ForwardHooks(frame), _ConsumerViews(), forward_context:
         out = fn(*args, **kwargs)
     frame.forward_done = True
     _record_segment(start, _get_sequence_nr(), frame)
@@ -456,6 +462,36 @@ class _SegmentOutput(torch.Tensor):
             if getattr(func, "__name__", "") != "__get__" and torch.is_grad_enabled():
                 args, kwargs = tree_map(_own_view, (args, kwargs))
             return func(*args, **kwargs)
+
+
+class _ConsumerViews(torch.overrides.TorchFunctionMode):
+    """During a segment's original forward: the second and later ops that consume a tensor each consume a
+    view of their own, so that the planner can also cut inside the segment (see :class:`_SegmentOutput`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__" or not torch.is_grad_enabled() or (name.endswith("_") and not name.endswith("__")):
+            return func(*args, **kwargs)
+        seen = self.seen
+        mine: dict[int, torch.Tensor] = {}  # one view per tensor per call: ``query is key`` checks still hold
+
+        def own(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.grad_fn is not None:
+                v = mine.get(id(x))
+                if v is None:
+                    v = x.view_as(x) if x in seen else x
+                    seen[x] = None
+                    mine[id(x)] = v
+                return v
+            return x
+
+        args, kwargs = tree_map(own, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 def _input_view(x: Any) -> Any:

@@ -6,6 +6,7 @@ The planner (``_plan.py``) works on this structure only; nothing here knows abou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -108,3 +109,27 @@ def _topological(succ: list[list[tuple[int, int]]]) -> list[int]:
             if indeg[j] == 0:
                 ready.append(j)
     return topo
+
+
+_STATELESS: dict[type, bool] = {}
+
+
+def stateless(node: Any) -> bool:
+    """Whether an autograd node keeps no tensors for its backward (a view, a transpose, an add...).
+
+    Such a node can run in any number of engine calls, retaining or not: freeing it frees nothing. Only nodes
+    generated from ``derivatives.yaml`` qualify (they keep every tensor in a ``SavedVariable``, exposed as
+    ``_raw_saved_*``); ``CopySlices``, custom Functions and C++ nodes never do.
+    """
+    cls = type(node)
+    out = _STATELESS.get(cls)
+    if out is None:
+        name = node.name()
+        out = (
+            name[:-1].endswith("Backward")
+            and name[-1].isdigit()
+            and not any(a.startswith("_raw_saved_") for a in dir(node))
+            and not hasattr(node, "_raw_saved_tensors")
+        )
+        _STATELESS[cls] = out
+    return out

@@ -157,9 +157,9 @@ class _Reuses(nn.Module):
 
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_segment_ops_see_the_same_tensors_and_route_exactly(chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # inside a segment the second and later consumers of a tensor get views of their own (cuts between chunks);
-    # the same tensor passed twice to one call stays one object, so the recomputation saves what the forward
-    # saved (nn.MultiheadAttention takes its fused path only when ``query is key is value``)
+    # a segment that hands one tensor to several ops and to one call three times (nn.MultiheadAttention takes
+    # its fused path only when ``query is key is value``: the forward and the recomputation must agree) and
+    # writes in place; with tiny chunks the planner tries to cut it everywhere
     from gradroute import _plan
 
     if chunk is not None:

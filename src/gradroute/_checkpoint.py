@@ -11,16 +11,16 @@ call returns is dropped then.
 
 Memory: kept between the first and the last engine call through a segment, the recomputed tensors would
 pile up if one pass went through a whole shared region before the next pass started. So the planner
-interleaves the passes chunk by chunk (``_plan``: the text-encoder pass through the top ``_plan._CHUNK``
-nodes of segment k with retain, then the UNet pass through them, freeing them, then the next chunk, ...,
-then segment k-1): a segment's recomputation is freed as the passes go down it, and a retaining call holds
-about one chunk's worth of activations that a plain backward would already have freed. That needs cuts,
-and a ``GradientEdge`` cut captures the sum of everything flowing into a node input: so every edge into and
-out of a segment gets an autograd node of its own (a view per input here, a view per consuming op of each
-output: :class:`_SegmentOutput`), and so does every second and later consumer of a tensor inside the segment
-(:class:`_ConsumerViews`, during the original forward only: views save nothing, so the recomputation saves
-the same tensors). The segment's nodes are recognised by their sequence numbers (:func:`segments`). What
-stays above a plain backward's peak is the second cotangent: at every cut, both passes' gradients are alive.
+interleaves the passes chunk by chunk (``_plan``: the text-encoder pass through the top chunk of segment k
+with retain, then the UNet pass through it, freeing it, then the next chunk, ..., then segment k-1): a
+segment's recomputation is freed as the passes go down it, and a retaining call holds about one chunk's
+worth of activations that a plain backward would already have freed. A chunk is at least ``_plan._CHUNK``
+nodes and ends at a clean line: one that no tensor crosses with consumers on both sides (between two
+layers of a block, not inside a residual block). That needs cuts, and a ``GradientEdge`` cut captures the
+sum of everything flowing into a node input: so every edge into and out of a segment gets an autograd node of
+its own, a view per consuming op of each input and of each output (:class:`_SegmentOutput`), and the
+segment's nodes are recognised by their sequence numbers (:func:`segments`). What stays above a plain
+backward's peak is mostly the second cotangent: at every cut, both passes' gradients are alive.
 
 A tensor that plain, un-checkpointed code hands to ops on both sides of a segment still has one node for
 both; the planner then merges the segments in between into one call (exact; their recomputations are alive
@@ -78,7 +78,6 @@ from torch.utils.checkpoint import (
     noop_context_fn,
     set_device_states,
 )
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _session
 
@@ -278,9 +277,10 @@ def checkpoint(
     same keyword arguments. Outside :meth:`gradroute.Router.backward` / :meth:`~gradroute.Router.grads` it
     behaves the same (one recomputation per backward call). Inside one, all engine calls of the router call
     share one recomputation of the segment; each recomputed tensor is freed with the autograd node that
-    saved it, at the latest when the router call returns; the router interleaves its calls segment by segment
-    so that few segments' recomputations are alive at a time (see the module notes on memory). The tensors it
-    returns hand every op that consumes them a view of their own (for the planner's cuts).
+    saved it, at the latest when the router call returns; the router interleaves its calls chunk by chunk so
+    that a recomputation is freed as the passes go down the segment (see the module notes on memory). The
+    tensors it takes and returns hand every op that consumes them a view of their own (for the planner's
+    cuts).
 
     Args:
         fn: the segment to checkpoint.
@@ -353,12 +353,12 @@ def checkpoint(
             with device_ac, torch.amp.autocast("cpu", **cpu_autocast), recompute_context:
                 fn(*inputs, **kwargs)
 
-    # Routed passes are interleaved segment by segment (see _plan): the segment's autograd nodes are the
+    # Routed passes are interleaved chunk by chunk (see _plan): the segment's autograd nodes are the
     # ones created between two sequence numbers, and every edge into or out of the segment gets a node of its
-    # own (a view per input here, a view per consuming op of each output, see _SegmentOutput), so that the
+    # own (a view per consuming op of each input and of each output, see _SegmentOutput), so that the
     # gradient crossing one edge can be cut apart from the others flowing into the same tensor.
     start = _get_sequence_nr()
-    args, kwargs = tree_map(_input_view, (args, kwargs))
+    args, kwargs = tree_map(_mark_output, (args, kwargs))
     frame = _Frame(replay, early_stop, determinism_check == "default")
     frame.args = list(args)
     tensors = []
@@ -371,7 +371,7 @@ def checkpoint(
         # the dummy makes the saver an autograd node even when no input requires grad
         dummy = torch.empty(0, requires_grad=True)
         frame.saver = _SaveInputs.apply(dummy, *tensors).grad_fn
-    with _ForwardHooks(frame), _ConsumerViews(), forward_context:
+    with _ForwardHooks(frame), forward_context:
         out = fn(*args, **kwargs)
     frame.forward_done = True
     _record_segment(start, _get_sequence_nr(), frame)
@@ -448,7 +448,7 @@ def segments() -> list[tuple[int, int]]:
 
 
 class _SegmentOutput(torch.Tensor):
-    """A tensor a checkpointed segment returned: every op that consumes it consumes a view of its own.
+    """A tensor a checkpointed segment took or returned: every op that consumes it consumes a view of its own.
 
     Each consumer then sends its gradient through its own autograd node, which the planner can cut apart
     from the others (a ``GradientEdge`` captures the sum flowing into a node input). The ops return plain
@@ -462,40 +462,6 @@ class _SegmentOutput(torch.Tensor):
             if getattr(func, "__name__", "") != "__get__" and torch.is_grad_enabled():
                 args, kwargs = tree_map(_own_view, (args, kwargs))
             return func(*args, **kwargs)
-
-
-class _ConsumerViews(torch.overrides.TorchFunctionMode):
-    """During a segment's original forward: the second and later ops that consume a tensor each consume a
-    view of their own, so that the planner can also cut inside the segment (see :class:`_SegmentOutput`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "__get__" or not torch.is_grad_enabled() or (name.endswith("_") and not name.endswith("__")):
-            return func(*args, **kwargs)
-        seen = self.seen
-        mine: dict[int, torch.Tensor] = {}  # one view per tensor per call: ``query is key`` checks still hold
-
-        def own(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.grad_fn is not None:
-                v = mine.get(id(x))
-                if v is None:
-                    v = x.view_as(x) if x in seen else x
-                    seen[x] = None
-                    mine[id(x)] = v
-                return v
-            return x
-
-        args, kwargs = tree_map(own, (args, kwargs))
-        return func(*args, **kwargs)
-
-
-def _input_view(x: Any) -> Any:
-    return x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x
 
 
 def _own_view(x: Any) -> Any:

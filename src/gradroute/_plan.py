@@ -616,47 +616,79 @@ def _schedule(
     return [stages[sid] for sid in order]
 
 
-#: Nodes per chunk of a shared checkpointed segment: the passes through it are cut and interleaved chunk by
-#: chunk, so that a retaining call holds at most about a chunk of the segment's recomputed activations (sd-tiny
-#: with checkpointing: 40 nodes cut the peak above ``sum`` by two thirds; 20 no further, with more calls).
-_CHUNK = 40
+#: Nodes per chunk of a shared checkpointed segment (at least): the passes through it are cut and interleaved
+#: chunk by chunk, so that a retaining call holds about a chunk of the segment's recomputed activations
+#: (sd-tiny with checkpointing, traced: 10 or 20 -> 50.2 MiB peak, 40 -> 52.2, 80 -> 56.2, one segment -> 58.6;
+#: 20 makes 24 engine calls, 10 makes 35).
+_CHUNK = 20
 
 
 def _shared_segments(g: Graph, need: list[int]) -> dict[int, int]:
     """The nodes of live ``gradroute.checkpoint`` segments that more than one pass enters -> the position of
-    their chunk in backward order (1 = created last; 0 is left to the nodes above every segment). Each segment
-    is split every ``_CHUNK`` nodes by sequence number; the views that ``gradroute.checkpoint`` gives every
-    second consumer of a tensor keep the cuts between chunks clean. Empty when there is no such segment."""
+    their chunk in backward order (1 = created last; 0 is left to the nodes above every segment).
+
+    A segment is split into chunks of at least ``_CHUNK`` nodes (by sequence number) at clean lines only: a
+    line is clean when no tensor is consumed by ops on both sides of it (a residual stream inside a block is
+    not; the line between two blocks is). Consumers that are views (stateless, one input) do not count: the
+    planner moves a view to its input's side and cuts above it. Empty when there is no shared segment.
+    """
     from ._checkpoint import segments
 
     ranges = segments()
     if not ranges:
         return {}
+    nodes, succ, leaf = g.nodes, g.succ, g.leaf
     starts = [a for a, _ in ranges]
+    seq: dict[int, int] = {}
     of: dict[int, int] = {}
     shared: set[int] = set()
     for i, nd in enumerate(need):
         if nd:
-            seq = g.nodes[i]._sequence_nr()
-            r = bisect.bisect_right(starts, seq) - 1
-            if r >= 0 and seq < ranges[r][1]:
+            s = seq[i] = nodes[i]._sequence_nr()
+            r = bisect.bisect_right(starts, s) - 1
+            if r >= 0 and s < ranges[r][1]:
                 of[i] = r
                 if nd & (nd - 1):
                     shared.add(r)
     if not shared:
         return {}
-    by_segment: dict[int, list[tuple[int, int]]] = {r: [] for r in shared}
+    # each producer's consumers span (lowest, highest] in sequence numbers: no clean line in between
+    lo: dict[int, int] = {}
+    hi: dict[int, int] = {}
+    for i, s in seq.items():
+        if len(succ[i]) == 1 and stateless(nodes[i]):
+            continue
+        for j, _ in succ[i]:
+            if j not in leaf:
+                lo[j] = min(lo.get(j, s), s)
+                hi[j] = max(hi.get(j, s), s)
+    events = sorted([(lo[j] + 1, 1) for j in lo if lo[j] < hi[j]] + [(hi[j] + 1, -1) for j in lo if lo[j] < hi[j]])
+
+    by_segment: dict[int, list[int]] = {r: [] for r in shared}
     for i, r in of.items():
         if r in by_segment:
-            by_segment[r].append((-g.nodes[i]._sequence_nr(), i))
+            by_segment[r].append(i)
     out: dict[int, int] = {}
     pos = 1
     for r in sorted(shared, reverse=True):
-        nodes = sorted(by_segment[r])
-        for c in range(0, len(nodes), _CHUNK):
-            for _, i in nodes[c : c + _CHUNK]:
-                out[i] = pos
-            pos += 1
+        members = sorted(by_segment[r], key=lambda i: seq[i])  # ascending: the sweep goes up
+        # clean[p]: no span contains the line between members[p] and members[p + 1]
+        clean = [False] * len(members)
+        k = depth = 0
+        for p in range(len(members) - 1):
+            line = seq[members[p + 1]]
+            while k < len(events) and events[k][0] <= line:
+                depth += events[k][1]
+                k += 1
+            clean[p] = depth == 0
+        count = 0
+        for p in range(len(members) - 1, -1, -1):  # from the top of the segment down
+            out[members[p]] = pos
+            count += 1
+            if count >= _CHUNK and p > 0 and clean[p - 1]:
+                pos += 1
+                count = 0
+        pos += 1
     return out
 
 

@@ -165,6 +165,16 @@ def test_sd15_tiny_configuration_routes_exactly():
     assert "error" in res["seed"]
 
 
+def test_sd15_latent_size_sets_the_latents_and_still_routes_exactly():
+    from gradroute._bench import Runner, measure
+    from gradroute._workloads import build
+
+    wl = build("sd15", batch_size=1, size="tiny", latent_size=8)
+    assert wl.batch["noisy"].shape == (1, 4, 8, 8) and wl.info["latent_size"] == 8
+    res = measure(Runner(wl, "fp32"), ["gradroute"], steps=1, warmup=0)
+    assert res["gradroute"]["err"] <= 1e-5
+
+
 # ---------------------------------------------------------------------------------------------- argument errors
 
 
@@ -251,3 +261,15 @@ def test_sd15_tiny_checkpointing_strategies_route_exactly(strategy):
     res = measure(runner, ["sum", "cut", strategy, "gradroute"], steps=1, warmup=0)
     for s in ("cut", strategy, "gradroute"):
         assert res[s]["err"] <= 1e-5, (s, res[s])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workload", "gan", "--latent-size", "16"], "`--latent-size` applies to sd15, not 'gan'"),
+        (["--workload", "sd15", "--latent-size", "12"], "`--latent-size` must be a positive multiple of 8, got 12"),
+    ],
+)
+def test_bench_bad_latent_size_fails(capsys, argv, message):
+    assert main(["bench", *argv, "--device", "cpu", "--no-memory"]) == 2
+    assert message in one_line_error(capsys)

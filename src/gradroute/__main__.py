@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--strategies", default=None, metavar="LIST", help=f"comma-separated subset of {STRATEGY_NAMES}")
     bench.add_argument("--checkpointing", action="store_true", help="activation checkpointing (sd-tiny, sd15)")
     bench.add_argument("--width", type=_positive, default=None, help="model width (sd-tiny, gan, actor-critic)")
+    bench.add_argument(
+        "--latent-size",
+        type=_positive,
+        default=None,
+        help="sd15: latent height and width, a multiple of 8 (default 64: 512-pixel images)",
+    )
     bench.add_argument("--seed", type=_int, default=0, help="seed for models and batch (default 0)")
     bench.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
     bench.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")

@@ -278,6 +278,8 @@ def _child_argv(args: argparse.Namespace, strategy: str) -> list[str]:
         argv += ["--batch-size", str(args.batch_size)]
     if args.width is not None:
         argv += ["--width", str(args.width)]
+    if args.latent_size is not None:
+        argv += ["--latent-size", str(args.latent_size)]
     if args.checkpointing:
         argv.append("--checkpointing")
     return argv
@@ -334,6 +336,7 @@ def _build(args: argparse.Namespace, dev: torch.device) -> Workload:
         checkpointing=args.checkpointing,
         seed=args.seed,
         width=args.width,
+        latent_size=args.latent_size,
     )
 
 

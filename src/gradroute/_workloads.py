@@ -83,6 +83,7 @@ def build(
     seed: int = 0,
     width: int | None = None,
     size: str = "full",
+    latent_size: int | None = None,
 ) -> Workload:
     """Build a workload with its models and a fixed batch on ``device`` (fp32 weights).
 
@@ -95,6 +96,8 @@ def build(
         width: model width (``sd-tiny``: the UNet's base channels, default 32; ``gan``: default 64;
             ``actor-critic``: hidden units, default 256).
         size: ``"full"``, or ``"tiny"`` for a miniature ``sd15`` configuration (tests).
+        latent_size: ``sd15`` only: the latents' height and width (default: the configuration's, 64 for the
+            full model, i.e. 512-pixel images); smaller makes the full architecture affordable on a CPU.
 
     Raises:
         ValueError: an unknown workload or a bad size.
@@ -104,6 +107,11 @@ def build(
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if checkpointing and name not in CHECKPOINTING:
         raise ValueError(f"`--checkpointing` applies to {' and '.join(CHECKPOINTING)}, not {name!r}")
+    if latent_size is not None:
+        if name != "sd15":
+            raise ValueError(f"`--latent-size` applies to sd15, not {name!r}")
+        if isinstance(latent_size, bool) or not isinstance(latent_size, int) or latent_size < 8 or latent_size % 8:
+            raise ValueError(f"`--latent-size` must be a positive multiple of 8, got {latent_size!r}")
     bs = DEFAULT_BATCH[name] if batch_size is None else batch_size
     if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
         raise ValueError(f"`batch_size` must be a positive int, got {bs!r}")
@@ -115,7 +123,7 @@ def build(
     elif name == "actor-critic":
         wl = _actor_critic(bs, dev, seed, 256 if width is None else width)
     else:
-        wl = _sd15(bs, dev, checkpointing, seed, size)
+        wl = _sd15(bs, dev, checkpointing, seed, size, latent_size)
     wl.info.setdefault("params", {n: sum(p.numel() for p in wl.params(n)) for n in wl.groups})
     return wl
 
@@ -377,9 +385,11 @@ def sd15_configs(size: str = "full") -> tuple[dict[str, Any], dict[str, Any]]:
     return unet, text
 
 
-def _sd15(bs: int, dev: torch.device, checkpointing: bool, seed: int, size: str) -> Workload:
+def _sd15(bs: int, dev: torch.device, checkpointing: bool, seed: int, size: str, latent_size: int | None) -> Workload:
     unet_cls, text_config_cls, text_cls = _require_sd15()
     unet_cfg, text_cfg = sd15_configs(size)
+    if latent_size is not None:
+        unet_cfg["sample_size"] = latent_size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         unet = unet_cls(**unet_cfg)
@@ -452,5 +462,14 @@ def _sd15(bs: int, dev: torch.device, checkpointing: bool, seed: int, size: str)
         current[0] = kind
 
     return Workload(
-        "sd15", "tenc", "unet", tenc, unet, batch, up, down, {"size": size}, set_checkpoint if checkpointing else None
+        "sd15",
+        "tenc",
+        "unet",
+        tenc,
+        unet,
+        batch,
+        up,
+        down,
+        {"size": size, "latent_size": hw},
+        set_checkpoint if checkpointing else None,
     )

@@ -461,15 +461,7 @@ def _sd15(bs: int, dev: torch.device, checkpointing: bool, seed: int, size: str,
             tenc._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=gradroute.checkpoint)
         current[0] = kind
 
+    info = {"size": size, "latent_size": hw}
     return Workload(
-        "sd15",
-        "tenc",
-        "unet",
-        tenc,
-        unet,
-        batch,
-        up,
-        down,
-        {"size": size, "latent_size": hw},
-        set_checkpoint if checkpointing else None,
+        "sd15", "tenc", "unet", tenc, unet, batch, up, down, info, set_checkpoint if checkpointing else None
     )

@@ -623,3 +623,26 @@ def test_segment_record_does_not_grow_without_a_router() -> None:
     for _ in range(500):
         gradroute.checkpoint(lin, torch.randn(2, 3, requires_grad=True)).sum().backward()
     assert len(_checkpoint._SEGMENTS) <= 128
+
+
+def test_parameter_passed_into_a_segment_routes_exactly() -> None:
+    # segment inputs hand each consuming op a view (like outputs); a leaf parameter among them still gets
+    # its gradient, routed or not
+    w = nn.Parameter(torch.randn(D, D, dtype=torch.float64))
+    v = nn.Parameter(torch.randn(D, D, dtype=torch.float64))
+    x = torch.randn(4, D, dtype=torch.float64)
+
+    def f(weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ weight) + h * weight.sum()
+
+    def forward(ck: CK | None = None) -> dict[str, torch.Tensor]:
+        h = x @ v
+        out = ck(f, w, h) if ck is not None else f(w, h)
+        return {"v": out.pow(2).mean(), "w": out.sin().sum()}
+
+    expected = reference_grads(forward, {"v": [v], "w": [w]})
+    gradroute.Router(v=[v], w=[w]).backward(**forward(gradroute.checkpoint))
+    assert_grads_match([v, w], expected, rtol=1e-9, atol=1e-12)
+    w.grad = None
+    forward(gradroute.checkpoint)["w"].backward()
+    torch.testing.assert_close(w.grad, torch.autograd.grad(forward()["w"], w)[0], rtol=1e-9, atol=1e-12)

@@ -453,8 +453,9 @@ def _stage_pass(
     """Split pass ``k`` into stages of one label each; where a cut is not clean, merge the stages involved.
 
     ``segment`` maps the nodes of ``gradroute.checkpoint`` segments that several passes traverse to the
-    segment's position in backward order: such passes are cut between segments too, so that their calls
-    interleave segment by segment and each shared recomputation is freed before the next one is made.
+    position of their chunk in backward order (see :func:`_shared_segments`): such passes are cut between
+    chunks too, so that their calls interleave chunk by chunk and each shared recomputation is freed as the
+    passes go down it.
 
     Returns the stages, the nodes each executes, and the number of nodes whose last execution retains.
     """

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The sd15 GPU tables of BENCHMARKS.md in one run, for a lent H200 (the workplace's `device` tool).
+#
+# That machine has torch and transformers but not diffusers, and cannot reach the network: carry the wheels.
+# Once, here, in the repository root (Python 3.12 there):
+#   echo /.whl/ >> .git/info/exclude
+#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1 importlib_metadata
+# Then one device call (carry `.whl`, timeout_s 560), with the commit this tree is at:
+#   COMMIT=<short hash> bash benchmarks/gpu.sh
+# Everything lands in $OUT (JSON per table and the log). About 5 minutes on an H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH="$PWD/src:/tmp/site"
+else
+  export PYTHONPATH="$PWD/src"
+fi
+export PYTHONUNBUFFERED=1
+{
+  date -u +"start %Y-%m-%d %H:%M:%S UTC"
+  echo "commit ${COMMIT:-unknown}"
+  nvidia-smi -L
+  python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/gpu.log"
+bench() {
+  name=$1
+  shift
+  echo "== $name: $*" | tee -a "$OUT/gpu.log"
+  timeout 200 python3 -m gradroute bench --workload sd15 --device cuda "$@" --json "$OUT/$name.json" 2>&1 \
+    | grep -v '^bench ' | tee -a "$OUT/gpu.log"
+}
+# batch 32: GPU-bound (at batch 8 the min and median step differ by 25%: launch-bound)
+bench sd15-b32 --batch-size 32 --steps 8 --warmup 3
+bench sd15-b32-ckpt --batch-size 32 --steps 8 --warmup 3 --checkpointing
+bench sd15-b8 --batch-size 8 --steps 15 --warmup 3
+date -u +"end %Y-%m-%d %H:%M:%S UTC" | tee -a "$OUT/gpu.log"

@@ -578,6 +578,7 @@ def test_routed_calls_interleave_inside_one_segment_and_free_it_chunk_by_chunk(
     losses = forward()
     plan = router.plan(**losses)
     assert plan.kept_nodes == 0 and sum(c.groups == ("unet",) for c in plan.calls) >= 3
+    assert any("chunk(s) of gradroute.checkpoint segments" in n for n in plan.notes), plan.notes  # printed
 
     for b in unet.blocks:
         b.storages.clear()  # (the reference's backwards recomputed too)

@@ -434,6 +434,14 @@ def _analyse(g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEd
         calls=tuple(calls),
         kept_nodes=kept,
         graph_nodes=n,
+        notes=(
+            (
+                f"{len(set(segment.values()))} chunk(s) of gradroute.checkpoint segments are shared by several "
+                "passes: the passes interleave chunk by chunk, and each shared recomputation is freed as they go",
+            )
+            if segment
+            else ()
+        ),
     )
     shared = [i for i in range(n) if need[i] & (need[i] - 1)]
     return Program(plan=plan, graph=g, routes=routes, stages=stages, unreached=unreached, shared=shared)

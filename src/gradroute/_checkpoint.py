@@ -26,7 +26,7 @@ A tensor that plain, un-checkpointed code hands to ops on both sides of a segmen
 both; the planner then merges the segments in between into one call (exact; their recomputations are alive
 together). diffusers' ``UNet2DConditionModel`` is such a case: its skip connections leave from
 un-checkpointed ops (downsamplers, the transformer models' residual adds), so with its own switch the
-interleaving collapses and sharing costs the memory of not checkpointing the UNet; :func:`checkpoint_modules`
+interleaving partly collapses (recomputations of several segments alive together); :func:`checkpoint_modules`
 on whole blocks (``*unet.down_blocks, unet.mid_block, *unet.up_blocks``) makes the block outputs segment
 outputs and the calls interleave again.
 
@@ -358,7 +358,7 @@ def checkpoint(
     # own (a view per consuming op of each input and of each output, see _SegmentOutput), so that the
     # gradient crossing one edge can be cut apart from the others flowing into the same tensor.
     start = _get_sequence_nr()
-    args, kwargs = tree_map(_mark_output, (args, kwargs))
+    args, kwargs = tree_map(_consumer_views, (args, kwargs))
     frame = _Frame(replay, early_stop, determinism_check == "default")
     frame.args = list(args)
     tensors = []
@@ -375,7 +375,7 @@ def checkpoint(
         out = fn(*args, **kwargs)
     frame.forward_done = True
     _record_segment(start, _get_sequence_nr(), frame)
-    out = tree_map(_mark_output, out)
+    out = tree_map(_consumer_views, out)
     if preserve_rng_state and not had_device and getattr(device_module, "_initialized", False):
         raise RuntimeError(
             "gradroute.checkpoint: the device was initialized inside the checkpointed function, so its RNG "
@@ -468,7 +468,8 @@ def _own_view(x: Any) -> Any:
     return x.view_as(x) if isinstance(x, _SegmentOutput) else x
 
 
-def _mark_output(x: Any) -> Any:
+def _consumer_views(x: Any) -> Any:
+    """A segment's input or output, as a :class:`_SegmentOutput` (every consuming op gets a view of its own)."""
     if isinstance(x, torch.Tensor) and x.requires_grad and type(x) is torch.Tensor:
         return x.as_subclass(_SegmentOutput)
     return x

@@ -18,7 +18,7 @@ worth of activations that a plain backward would already have freed. A chunk is 
 nodes and ends at a clean line: one that no tensor crosses with consumers on both sides (between two
 layers of a block, not inside a residual block). That needs cuts, and a ``GradientEdge`` cut captures the
 sum of everything flowing into a node input: so every edge into and out of a segment gets an autograd node of
-its own, a view per consuming op of each input and of each output (:class:`_SegmentOutput`), and the
+its own, a view per consuming op of each input and of each output (:class:`_SegmentTensor`), and the
 segment's nodes are recognised by their sequence numbers (:func:`segments`). What stays above a plain
 backward's peak is mostly the second cotangent: at every cut, both passes' gradients are alive.
 
@@ -355,7 +355,7 @@ def checkpoint(
 
     # Routed passes are interleaved chunk by chunk (see _plan): the segment's autograd nodes are the
     # ones created between two sequence numbers, and every edge into or out of the segment gets a node of its
-    # own (a view per consuming op of each input and of each output, see _SegmentOutput), so that the
+    # own (a view per consuming op of each input and of each output, see _SegmentTensor), so that the
     # gradient crossing one edge can be cut apart from the others flowing into the same tensor.
     start = _get_sequence_nr()
     args, kwargs = tree_map(_consumer_views, (args, kwargs))
@@ -447,7 +447,7 @@ def segments() -> list[tuple[int, int]]:
     return sorted(out)
 
 
-class _SegmentOutput(torch.Tensor):
+class _SegmentTensor(torch.Tensor):
     """A tensor a checkpointed segment took or returned: every op that consumes it consumes a view of its own.
 
     Each consumer then sends its gradient through its own autograd node, which the planner can cut apart
@@ -465,13 +465,13 @@ class _SegmentOutput(torch.Tensor):
 
 
 def _own_view(x: Any) -> Any:
-    return x.view_as(x) if isinstance(x, _SegmentOutput) else x
+    return x.view_as(x) if isinstance(x, _SegmentTensor) else x
 
 
 def _consumer_views(x: Any) -> Any:
-    """A segment's input or output, as a :class:`_SegmentOutput` (every consuming op gets a view of its own)."""
+    """A segment's input or output, as a :class:`_SegmentTensor` (every consuming op gets a view of its own)."""
     if isinstance(x, torch.Tensor) and x.requires_grad and type(x) is torch.Tensor:
-        return x.as_subclass(_SegmentOutput)
+        return x.as_subclass(_SegmentTensor)
     return x
 
 

@@ -20,7 +20,12 @@ the region the UNet is trained on) and ``captions.txt`` (one ``file_name<TAB>cap
 Optimizers: two AdamW with the seed's settings (text encoder lr 1e-7, weight decay 1e-3; UNet lr 1e-6, weight
 decay 1e-2; betas (0.9, 0.99), eps 1e-7) and a warmup-then-power schedule per optimizer. Mixed precision:
 ``--mixed-precision fp16`` (autocast + one GradScaler shared by both optimizers, one update per step) or
-``bf16`` (autocast, no scaler). ``--gradient-checkpointing`` uses diffusers' and transformers' own switches;
+``bf16`` (autocast, no scaler). ``--gradient-checkpointing [blocks|gradroute|torch]``: ``blocks`` (the default
+when the flag has no value) checkpoints whole UNet blocks with ``gradroute.checkpoint_modules`` and points the
+text encoder's own switch at ``gradroute.checkpoint``: one recomputation per step, freed chunk by chunk as the
+routed passes go down; ``gradroute`` points both libraries' own switches at ``gradroute.checkpoint`` (one
+recomputation, but diffusers' per-layer segments keep several alive at once); ``torch`` uses the switches as
+they are (every routed engine call recomputes the segments it enters);
 ``--lora-rank R`` trains LoRA adapters (peft) on both models instead of all weights. The trained models are
 written with ``save_pretrained`` to ``--output-dir`` in the same layout (LoRA adapters are merged there, and
 also saved on their own under ``lora/``).
@@ -59,6 +64,10 @@ from gradroute.schedules import warmup_power
 
 SUBFOLDERS = ("unet", "text_encoder", "tokenizer", "scheduler")
 GROUPS = ("tenc", "unet")
+
+
+#: ``--gradient-checkpointing`` modes, the default (no value given) first
+CHECKPOINTING = ("blocks", "gradroute", "torch")
 
 
 class UsageError(Exception):
@@ -161,7 +170,7 @@ class Models:
 
 
 def load_models(
-    model_dir: Path, device: torch.device, *, lora_rank: int = 0, gradient_checkpointing: bool = False
+    model_dir: Path, device: torch.device, *, lora_rank: int = 0, gradient_checkpointing: str | None = None
 ) -> Models:
     """Every part from ``model_dir`` with ``from_pretrained``; the VAE (if any) frozen; LoRA wrapped if asked."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
@@ -188,11 +197,22 @@ def load_models(
             f"`--model-dir` {str(model_dir)!r}: the UNet takes {unet.config.in_channels} channels but "
             + (f"the VAE makes {channels}" if vae is not None else "without vae/ it trains on RGB pixels (3)")
         )
+    if gradient_checkpointing not in (None, *CHECKPOINTING):
+        raise UsageError(
+            f"`--gradient-checkpointing` must be one of {', '.join(CHECKPOINTING)}, got {gradient_checkpointing!r}"
+        )
     if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
         # transformers >= 5 renamed the switch; non-reentrant checkpointing works with gradient routing
         enable = getattr(tenc, "activation_checkpointing_enable", None) or tenc.gradient_checkpointing_enable
         enable({"use_reentrant": False})
+        if gradient_checkpointing == "torch":
+            unet.enable_gradient_checkpointing()
+        else:  # the text encoder's switch, pointed at gradroute.checkpoint (supported hook, transformers 5)
+            tenc._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=gradroute.checkpoint)
+        if gradient_checkpointing == "gradroute":
+            unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)
+        elif gradient_checkpointing == "blocks":
+            gradroute.checkpoint_modules(*unet.down_blocks, unet.mid_block, *unet.up_blocks)
     tenc.train()
     unet.train()
     if lora_rank:
@@ -343,7 +363,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lr-exponent", type=float, default=5.0, help="decay (1 - progress) ** exponent after warmup")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip each network's gradients")
     p.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no")
-    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument(
+        "--gradient-checkpointing",
+        nargs="?",
+        const="blocks",
+        default=None,
+        choices=CHECKPOINTING,
+        help="blocks (default): whole UNet blocks under gradroute.checkpoint; gradroute: the libraries' own "
+        "switches pointed at gradroute.checkpoint; torch: the switches as they are",
+    )
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full weights)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)

@@ -63,8 +63,8 @@ def sd_inputs(models: Any, data_dir: Path, batch_size: int = 2) -> Any:
 
 
 @pytest.mark.parametrize("lora_rank", [0, 2])
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_sd_routed_grads_match_fresh_forwards(tiny_sd: Path, checkpointing: bool, lora_rank: int) -> None:
+@pytest.mark.parametrize("checkpointing", [None, "blocks", "gradroute", "torch"])
+def test_sd_routed_grads_match_fresh_forwards(tiny_sd: Path, checkpointing: str | None, lora_rank: int) -> None:
     import sd_masked_finetune as sd
 
     models = sd.load_models(tiny_sd / "model", CPU, lora_rank=lora_rank, gradient_checkpointing=checkpointing)
@@ -143,12 +143,13 @@ def test_sd_main_trains_checks_grads_and_saves(
 @pytest.mark.parametrize(
     ("extra", "pixel_space"),
     [
-        (["--gradient-checkpointing"], False),
+        (["--gradient-checkpointing"], False),  # blocks
+        (["--gradient-checkpointing", "torch"], False),
         (["--mixed-precision", "fp16"], False),  # CPU fp16 autocast + GradScaler("cpu"), driven by the router
-        (["--mixed-precision", "bf16", "--gradient-checkpointing"], False),
+        (["--mixed-precision", "bf16", "--gradient-checkpointing", "gradroute"], False),
         ([], True),  # no vae/: the UNet trains on RGB pixels
     ],
-    ids=["checkpointing", "fp16-scaler", "bf16-checkpointing", "pixel-space"],
+    ids=["checkpointing-blocks", "checkpointing-torch", "fp16-scaler", "bf16-checkpointing-gradroute", "pixel-space"],
 )
 def test_sd_main_check_grads_variants(
     tiny_sd: Path,
@@ -222,6 +223,16 @@ def test_sd_model_dir_without_unet_fails(tiny_sd: Path, tmp_path: Path, capsys: 
     shutil.copytree(tiny_sd / "model", model, ignore=shutil.ignore_patterns("unet"))
     rc = run_sd(tiny_sd, tmp_path / "out", model_dir=model)
     _usage_error(rc, capsys, "`--model-dir`", "unet/")
+
+
+def test_sd_unknown_checkpointing_mode_fails(tiny_sd: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sd_masked_finetune as sd
+
+    with pytest.raises(sd.UsageError, match=r"`--gradient-checkpointing` must be one of blocks, gradroute, torch"):
+        sd.load_models(tiny_sd / "model", CPU, gradient_checkpointing="layers")
+    with pytest.raises(SystemExit):  # argparse: a choice it does not know
+        run_sd(tiny_sd, tmp_path / "out", "--gradient-checkpointing", "layers")
+    assert "invalid choice: 'layers'" in capsys.readouterr().err
 
 
 def test_sd_missing_data_dir_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_sd: Path) -> None:

@@ -80,6 +80,7 @@ from torch.utils.checkpoint import (
 )
 
 from . import _session
+from ._graph import saved_attrs
 
 # torch's non-reentrant checkpoint saves these in its segments' nodes (private; absent in some versions)
 _TorchHolder: type | None = getattr(torch.utils.checkpoint, "_Holder", None)
@@ -411,8 +412,6 @@ def checkpoint_modules(*modules: torch.nn.Module) -> None:
         m.forward = functools.partial(checkpoint, m.forward)  # type: ignore[method-assign]
 
 
-_RAW_SAVED: dict[type, tuple[str, ...]] = {}
-
 #: (first, end) autograd sequence numbers of every checkpointed segment whose graph may be alive, in order.
 _SEGMENTS: list[tuple[int, int, weakref.ref[_Frame]]] = []
 _PRUNE_AT = [64]  # prune the record when it grows past this (twice the live count after the last prune)
@@ -490,11 +489,7 @@ def checkpoint_kind(node: Any) -> str | None:
         ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``), ``"reentrant"`` (the node of
         ``use_reentrant=True``), or ``None``.
     """
-    cls = type(node)
-    names = _RAW_SAVED.get(cls)
-    if names is None:
-        names = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
-        _RAW_SAVED[cls] = names
+    names = saved_attrs(node)
     if not names:
         return None
     if "_raw_saved_tensors" in names and node.name() == "CheckpointFunctionBackward":

@@ -111,6 +111,22 @@ def _topological(succ: list[list[tuple[int, int]]]) -> list[int]:
     return topo
 
 
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def saved_attrs(node: Any) -> tuple[str, ...]:
+    """The names of an autograd node's raw saved-tensor attributes (``_raw_saved_*``), cached per node class.
+
+    Reading them (``node._raw_saved_self``) gives the ``SavedVariable`` without unpacking it, so no
+    saved-tensor hook (e.g. a checkpoint's recomputation) runs.
+    """
+    cls = type(node)
+    names = _SAVED_ATTRS.get(cls)
+    if names is None:
+        names = _SAVED_ATTRS[cls] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+    return names
+
+
 _STATELESS: dict[type, bool] = {}
 
 
@@ -125,11 +141,6 @@ def stateless(node: Any) -> bool:
     out = _STATELESS.get(cls)
     if out is None:
         name = node.name()
-        out = (
-            name[:-1].endswith("Backward")
-            and name[-1].isdigit()
-            and not any(a.startswith("_raw_saved_") for a in dir(node))
-            and not hasattr(node, "_raw_saved_tensors")
-        )
+        out = name[:-1].endswith("Backward") and name[-1].isdigit() and not saved_attrs(node)
         _STATELESS[cls] = out
     return out

@@ -11,7 +11,7 @@ import torch
 
 from ._distributed import live_params
 from ._execute import GraphFreedError, execute, freed_message
-from ._graph import root_edge
+from ._graph import root_edge, saved_attrs
 from ._group import Group, GroupLike
 from ._plan import Plan, PlanCache, Program, Route, build
 from ._step import StepStats
@@ -318,9 +318,6 @@ def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Ten
     return dataclasses.replace(plan, reach=reach, leaks={k: tuple(v) for k, v in leaks.items()}, others=tuple(others))
 
 
-_RAW_SAVED: dict[type, tuple[str, ...]] = {}
-
-
 def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:
     """Raise a plain error if the graph below ``t`` was freed by an earlier backward.
 
@@ -337,11 +334,7 @@ def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:
     saved = empty = 0
     while frontier and len(seen) <= probe:
         node = frontier.pop(0)
-        kind = type(node)
-        names = _RAW_SAVED.get(kind)
-        if names is None:
-            names = _RAW_SAVED[kind] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
-        for attr in names:
+        for attr in saved_attrs(node):
             raw = getattr(node, attr)
             for item in raw if isinstance(raw, (list, tuple)) else (raw,):
                 if item is None:

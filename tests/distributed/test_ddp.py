@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradroute
+from tests._reference import reference_grads
 from tests.distributed._worker import assert_grads, batch, gather, launch, losses, nets, reference
 
 pytestmark = pytest.mark.distributed
@@ -92,6 +93,60 @@ def reference_local(rank: int, world: int, step: int) -> dict[str, list[torch.Te
 def test_ddp_routed_backward_matches_full_batch_reference() -> None:
     """One DDP per network and one DDP around both, each with and without ``find_unused_parameters``."""
     launch(_exact)
+
+
+class Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.tanh(self.inner(x)))
+
+
+class CheckpointedBody(torch.nn.Module):
+    """A UNet stand-in: residual blocks run as one ``gradroute.checkpoint`` segment (or plainly)."""
+
+    def __init__(self, checkpointed: bool, blocks: int = 6) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(Residual() for _ in range(blocks)))
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gradroute.checkpoint(self.blocks, x) if self.checkpointed else self.blocks(x)
+
+
+def _checkpointed(rank: int, world: int) -> None:
+    from gradroute import _plan
+
+    _plan._CHUNK = 6  # several interleaved calls through the segment, each delivering some of the UNet's grads
+    for layout in LAYOUTS:
+        with torch.random.fork_rng():
+            torch.manual_seed(5)
+            tenc = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
+            unet = CheckpointedBody(True).double()
+        ref_tenc = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
+        ref_unet = CheckpointedBody(False).double()
+        ref_tenc.load_state_dict(tenc.state_dict())
+        ref_unet.load_state_dict(unet.state_dict())
+        forward, _ = wrap(layout, tenc, unet)
+        router = gradroute.Router(tenc=tenc, unet=unet)
+        plan = router.plan(losses(forward, *batch(0, world, rank)))
+        assert sum(c.groups == ("unet",) for c in plan.calls) >= 3, plan
+        groups = {"tenc": list(ref_tenc.parameters()), "unet": list(ref_unet.parameters())}
+        for step in range(2):
+            router.zero_grad()
+            router.backward(losses(forward, *batch(step, world, rank)))
+            ref = torch.nn.Sequential(ref_tenc, ref_unet)
+            want = reference_grads(lambda s=step, ref=ref: losses(ref, *batch(s, world)), groups)
+            expected = {name: [want[id(p)] for p in params] for name, params in groups.items()}
+            assert_grads({"tenc": tenc, "unet": unet}, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_ddp_checkpointed_segment_interleaved_in_chunks_matches_full_batch_reference() -> None:
+    """The UNet's parameters reach ``.grad`` over several engine calls (one per chunk): DDP still averages
+    every one exactly once, with one DDP per network and one around both."""
+    launch(_checkpointed)
 
 
 class Scaled(torch.nn.Module):

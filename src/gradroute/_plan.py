@@ -229,7 +229,9 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
-def build(routes: Sequence[Route], *, merge_shared: bool = True, cache: PlanCache | None = None) -> Program:
+def build(
+    routes: Sequence[Route], *, merge_shared: bool = True, interleave: bool = True, cache: PlanCache | None = None
+) -> Program:
     """Analyse the graph of ``routes`` and build the program.
 
     Args:
@@ -238,6 +240,9 @@ def build(routes: Sequence[Route], *, merge_shared: bool = True, cache: PlanCach
             ``backward``, where shared parameters receive the sum; not for ``grads``, which reports each
             route's gradient separately).
 
+        interleave: cut and interleave the passes through shared ``gradroute.checkpoint`` segments (off under
+            FSDP2, which reduce-scatters a module's gradients at the end of the first engine call that
+            computes any of them).
         cache: reuse the analysis of an earlier graph with the same signature.
 
     Returns:
@@ -257,12 +262,12 @@ def build(routes: Sequence[Route], *, merge_shared: bool = True, cache: PlanCach
             "the parameters inside it; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or "
             "gradroute.checkpoint"
         )
-    key = (merge_shared, tuple((r.name, len(r.losses)) for r in routes))
+    key = (merge_shared, interleave, tuple((r.name, len(r.losses)) for r in routes))
     hit = cache.entries.get(key) if cache is not None else None
     if hit is not None and hit.signature == g.signature:
         cache.hits += 1  # type: ignore[union-attr]
         return Program(hit.plan, g, routes, hit.stages, hit.unreached, hit.shared)
-    program = _analyse(g, routes, root_edges, merge_shared)
+    program = _analyse(g, routes, root_edges, merge_shared, interleave)
     if cache is not None:
         cache.misses += 1
         cache.entries.pop(key, None)
@@ -272,7 +277,9 @@ def build(routes: Sequence[Route], *, merge_shared: bool = True, cache: PlanCach
     return program
 
 
-def _analyse(g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEdge]], merge_shared: bool) -> Program:
+def _analyse(
+    g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEdge]], merge_shared: bool, interleave: bool
+) -> Program:
     n_routes = len(routes)
     n = len(g.nodes)
     succ, topo, leaf = g.succ, g.topo, g.leaf
@@ -401,7 +408,7 @@ def _analyse(g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEd
         if nd:
             last[i] = max(_bits(nd), key=lambda k: pos[k])
 
-    segment = _shared_segments(g, need)
+    segment = _shared_segments(g, need) if interleave else {}
     per_pass: list[tuple[list[Stage], list[list[int]]]] = []
     kept = 0
     for k in order:

@@ -261,7 +261,10 @@ class Router:
         enabled = gc.isenabled()
         gc.disable()  # the walk creates a Python object per node: no collector passes in between
         try:
-            program = build(routes, merge_shared=merge_shared, cache=self._cache)
+            # FSDP2 (parameters replaced by their unsharded tensors) reduce-scatters a module's gradients at the
+            # end of the first engine call that computes any of them: keep each pass through it in one call
+            fsdp2 = any(r.params is not self._groups[r.name].params for r in routes)
+            program = build(routes, merge_shared=merge_shared, interleave=not fsdp2, cache=self._cache)
         finally:
             if enabled:
                 gc.enable()

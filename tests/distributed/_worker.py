@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import gradroute
 from tests._reference import reference_grads
 
 WORLD = 2
@@ -129,3 +130,24 @@ def gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+class Residual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.tanh(self.inner(x)))
+
+
+class CheckpointedBody(torch.nn.Module):
+    """A UNet stand-in: residual blocks run as one ``gradroute.checkpoint`` segment (or plainly)."""
+
+    def __init__(self, checkpointed: bool, blocks: int = 6) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(Residual() for _ in range(blocks)))
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gradroute.checkpoint(self.blocks, x) if self.checkpointed else self.blocks(x)

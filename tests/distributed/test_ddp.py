@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradroute
 from tests._reference import reference_grads
-from tests.distributed._worker import assert_grads, batch, gather, launch, losses, nets, reference
+from tests.distributed._worker import CheckpointedBody, assert_grads, batch, gather, launch, losses, nets, reference
 
 pytestmark = pytest.mark.distributed
 
@@ -93,27 +93,6 @@ def reference_local(rank: int, world: int, step: int) -> dict[str, list[torch.Te
 def test_ddp_routed_backward_matches_full_batch_reference() -> None:
     """One DDP per network and one DDP around both, each with and without ``find_unused_parameters``."""
     launch(_exact)
-
-
-class Residual(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner, self.outer = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.outer(torch.tanh(self.inner(x)))
-
-
-class CheckpointedBody(torch.nn.Module):
-    """A UNet stand-in: residual blocks run as one ``gradroute.checkpoint`` segment (or plainly)."""
-
-    def __init__(self, checkpointed: bool, blocks: int = 6) -> None:
-        super().__init__()
-        self.blocks = torch.nn.Sequential(*(Residual() for _ in range(blocks)))
-        self.checkpointed = checkpointed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gradroute.checkpoint(self.blocks, x) if self.checkpointed else self.blocks(x)
 
 
 def _checkpointed(rank: int, world: int) -> None:

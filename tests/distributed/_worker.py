@@ -151,3 +151,17 @@ class CheckpointedBody(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gradroute.checkpoint(self.blocks, x) if self.checkpointed else self.blocks(x)
+
+
+def checkpointed_pair() -> tuple[torch.nn.Module, CheckpointedBody, torch.nn.Module, CheckpointedBody]:
+    """``tenc, unet`` (the UNet stand-in as one ``gradroute.checkpoint`` segment) and an identical un-checkpointed
+    copy of both for the reference, the same in every process."""
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        tenc = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
+        unet = CheckpointedBody(True).double()
+    ref_tenc = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
+    ref_unet = CheckpointedBody(False).double()
+    ref_tenc.load_state_dict(tenc.state_dict())
+    ref_unet.load_state_dict(unet.state_dict())
+    return tenc, unet, ref_tenc, ref_unet

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradroute
 from tests._reference import reference_grads
-from tests.distributed._worker import CheckpointedBody, assert_grads, batch, gather, launch, losses, nets, reference
+from tests.distributed._worker import assert_grads, batch, checkpointed_pair, gather, launch, losses, nets, reference
 
 pytestmark = pytest.mark.distributed
 
@@ -100,14 +100,7 @@ def _checkpointed(rank: int, world: int) -> None:
 
     _plan._CHUNK = 6  # several interleaved calls through the segment, each delivering some of the UNet's grads
     for layout in LAYOUTS:
-        with torch.random.fork_rng():
-            torch.manual_seed(5)
-            tenc = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
-            unet = CheckpointedBody(True).double()
-        ref_tenc = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
-        ref_unet = CheckpointedBody(False).double()
-        ref_tenc.load_state_dict(tenc.state_dict())
-        ref_unet.load_state_dict(unet.state_dict())
+        tenc, unet, ref_tenc, ref_unet = checkpointed_pair()
         forward, _ = wrap(layout, tenc, unet)
         router = gradroute.Router(tenc=tenc, unet=unet)
         plan = router.plan(losses(forward, *batch(0, world, rank)))

@@ -15,9 +15,9 @@ import gradroute
 from gradroute._distributed import live_params
 from tests._reference import reference_grads
 from tests.distributed._worker import (
-    CheckpointedBody,
     assert_grads,
     batch,
+    checkpointed_pair,
     full,
     gather,
     launch,
@@ -213,14 +213,7 @@ def _checkpointed(rank: int, world: int) -> None:
 
     _plan._CHUNK = 6  # without FSDP2 this segment would be cut into several interleaved calls
     for per_block in (False, True):
-        with torch.random.fork_rng():
-            torch.manual_seed(5)
-            tenc = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
-            unet = CheckpointedBody(True).double()
-        ref_tenc = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()).double()
-        ref_unet = CheckpointedBody(False).double()
-        ref_tenc.load_state_dict(tenc.state_dict())
-        ref_unet.load_state_dict(unet.state_dict())
+        tenc, unet, ref_tenc, ref_unet = checkpointed_pair()
         if per_block:  # FSDP2 per block inside the checkpointed segment, as for transformer blocks
             for block in unet.blocks:
                 fully_shard(block)

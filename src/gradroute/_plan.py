@@ -634,8 +634,8 @@ def _schedule(
 
 #: Nodes per chunk of a shared checkpointed segment (at least): the passes through it are cut and interleaved
 #: chunk by chunk, so that a retaining call holds about a chunk of the segment's recomputed activations
-#: (sd-tiny with checkpointing, traced: 10 or 20 -> 50.2 MiB peak, 40 -> 52.2, 80 -> 56.2, one segment -> 58.6;
-#: 20 makes 24 engine calls, 10 makes 35).
+#: (sd-tiny with checkpointing, ``benchmarks/trace_memory.py --chunk N``: 10 or 20 -> 50.2 MiB peak, 40 -> 52.2,
+#: 80 or whole segments -> 56.2, against 46.2 for the summed backward; 20 makes 24 engine calls, 10 makes 35).
 _CHUNK = 20
 
 

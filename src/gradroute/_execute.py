@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 
 from ._plan import Program
 from ._session import routed_backward
@@ -20,6 +22,61 @@ def freed_message(what: str) -> str:
         f"{what}: its autograd graph was already freed by an earlier backward (a loss can be backpropagated "
         "once; run a new forward for every backward, and do not call `.backward()` on a loss you route)"
     )
+
+
+class _Handoff:
+    """Starts an engine call at graph edges with gradients that Python no longer references while it runs.
+
+    A gradient passed to ``torch.autograd.grad``/``backward`` stays referenced by Python (the argument lists) and
+    by the engine's root node until the call returns. Here the root gets a zero placeholder (a 0-d tensor
+    expanded, no memory) and a pre-hook on the edge's node swaps in the real gradient, popped from this object, so
+    that the engine holds the only reference: a cotangent is freed as soon as its node has consumed it, and an
+    ``AccumulateGrad`` node steals a parameter gradient into ``.grad`` instead of copying it.
+
+    Pre-hooks run after the node's tensor hooks (``Tensor.register_hook``), so those see the placeholder, not the
+    gradient again: they already ran on it when the earlier call captured it at this edge. A hook's return
+    value is kept (it is added to the gradient), so a hook that scales or negates its input stays exact.
+    """
+
+    def __init__(self) -> None:
+        self.slots: dict[Node, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.handles: list[Any] = []
+        self.zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def give(self, node: Node, nr: int, grads: list[torch.Tensor | None], i: int) -> torch.Tensor:
+        """Move ``grads[i]`` (set to None there) into the slot of input ``nr`` of ``node``; returns its placeholder."""
+        g, grads[i] = grads[i], None
+        if g is None:
+            raise TypeError("no gradient to hand off")  # unreachable: callers check
+        zero = self.zeros.get((g.dtype, g.device))
+        if zero is None:
+            zero = self.zeros[g.dtype, g.device] = torch.zeros((), dtype=g.dtype, device=g.device)
+        placeholder = zero.expand(g.shape)  # a view of its own: the hook tells the slots apart by identity
+        slot = self.slots.get(node)
+        if slot is None:
+            slot = self.slots[node] = {}
+            self.handles.append(node.register_prehook(_swap_in(slot)))
+        slot[nr] = (g, placeholder)
+        return placeholder
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.slots.clear()
+        self.zeros.clear()
+
+
+def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+        out = list(grad_outputs)
+        for nr, (g, placeholder) in slot.items():
+            got = out[nr]
+            out[nr] = g if got is None or got is placeholder else got + g
+        slot.clear()
+        return tuple(out)
+
+    return hook
 
 
 def execute(program: Program, *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
@@ -47,49 +104,80 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
             t = program.routes[r].losses[k]
             outputs.append(t)
             seeds.append(torch.ones_like(t))
-        for j, nr in st.cuts_in:
-            g_in = pending.pop((st.pass_index, j, nr), None)
-            if g_in is not None:
-                outputs.append(GradientEdge(nodes[j], nr))
-                seeds.append(g_in)
-        if not outputs:
-            continue
-        cuts: list[torch.Tensor | GradientEdge] = [GradientEdge(nodes[j], nr) for j, nr in st.cuts_out]
+        handoff = _Handoff()
         try:
-            if accumulate and not cuts:
-                torch.autograd.backward(outputs, seeds, retain_graph=st.retain, inputs=st.targets)  # type: ignore[arg-type]
+            for j, nr in st.cuts_in:
+                cut: list[torch.Tensor | None] = [pending.pop((st.pass_index, j, nr), None)]
+                if cut[0] is not None:
+                    outputs.append(GradientEdge(nodes[j], nr))
+                    seeds.append(handoff.give(nodes[j], nr, cut, 0))
+            if not outputs:
                 continue
-            res = torch.autograd.grad(
-                outputs,  # type: ignore[arg-type]
-                cuts + st.targets,  # type: ignore[arg-type]
-                grad_outputs=seeds,
-                retain_graph=st.retain,
-                allow_unused=True,
-            )
-        except RuntimeError as e:
-            if _FREED in str(e):
-                raise GraphFreedError(freed_message("a routed loss")) from e
-            raise
-        for (j, nr), g in zip(st.cuts_out, res):
-            if g is not None:
-                key = (st.pass_index, j, nr)
-                prev = pending.get(key)
-                pending[key] = g if prev is None else prev + g
+            cuts: list[torch.Tensor | GradientEdge] = [GradientEdge(nodes[j], nr) for j, nr in st.cuts_out]
+            try:
+                if accumulate and not cuts:
+                    torch.autograd.backward(outputs, seeds, retain_graph=st.retain, inputs=st.targets)  # type: ignore[arg-type]
+                    continue
+                res: list[torch.Tensor | None] = list(
+                    torch.autograd.grad(
+                        outputs,  # type: ignore[arg-type]
+                        cuts + st.targets,  # type: ignore[arg-type]
+                        grad_outputs=seeds,
+                        retain_graph=st.retain,
+                        allow_unused=True,
+                    )
+                )
+            except RuntimeError as e:
+                if _FREED in str(e):
+                    raise GraphFreedError(freed_message("a routed loss")) from e
+                raise
+        finally:
+            handoff.close()
+        for i, (j, nr) in enumerate(st.cuts_out):
+            _add(pending, (st.pass_index, j, nr), res[i])
+        grads = res[len(cuts) :]
+        del res  # the engine steals what nothing else references
         if accumulate:
-            # a call that cuts cannot also accumulate (autograd.grad captures instead): hand the captured
-            # parameter gradients to their AccumulateGrad nodes in one more engine call, so .grad is written
-            # the way the engine writes it (layout, buffer stealing, hooks such as DDP's and FSDP's)
-            edges: list[torch.Tensor | GradientEdge] = []
-            grads: list[torch.Tensor] = []
-            for j, g in zip(st.target_ids, res[len(cuts) :]):
-                if g is not None:
-                    edges.append(GradientEdge(nodes[j], 0))
-                    grads.append(g)
-            if edges:
-                torch.autograd.backward(edges, grads)  # type: ignore[arg-type]
+            _accumulate([nodes[j] for j in st.target_ids], st.targets, grads)
         else:
-            for p, r, g in zip(st.targets, st.target_routes, res[len(cuts) :]):
-                if g is not None:
-                    prev = collected[r].get(id(p))
-                    collected[r][id(p)] = g if prev is None else prev + g
+            for i, r in enumerate(st.target_routes):
+                _add(collected[r], id(st.targets[i]), grads[i])
     return collected
+
+
+def _add(into: dict[Any, torch.Tensor], key: Any, g: torch.Tensor | None) -> None:
+    # a function of its own, so that no local variable keeps a gradient alive through the next engine call
+    if g is not None:
+        prev = into.get(key)
+        into[key] = g if prev is None else prev + g
+
+
+def _accumulate(accumulators: list[Node], params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    """Add captured parameter gradients into ``.grad`` through the parameters' ``AccumulateGrad`` nodes.
+
+    A call that cuts cannot also accumulate (``autograd.grad`` captures instead), so its parameter gradients go
+    to their ``AccumulateGrad`` nodes in one more engine call: ``.grad`` is written the way the engine writes
+    it (layout contract, hooks such as DDP's and FSDP's, ``register_post_accumulate_grad_hook``). Handed off
+    (``_Handoff``), each gradient is stolen into ``.grad`` when that is empty, not copied. The parameters' own
+    tensor hooks (``Tensor.register_hook``) already ran when the gradient was captured: they are set aside for
+    this call so they do not run twice.
+    """
+    handoff = _Handoff()
+    edges: list[torch.Tensor | GradientEdge] = []
+    seeds: list[torch.Tensor] = []
+    hooks: list[tuple[dict, dict]] = []
+    try:
+        for i, node in enumerate(accumulators):
+            if grads[i] is not None:
+                edges.append(GradientEdge(node, 0))
+                seeds.append(handoff.give(node, 0, grads, i))
+                own = params[i]._backward_hooks
+                if own:
+                    hooks.append((own, dict(own)))
+                    own.clear()
+        if edges:
+            torch.autograd.backward(edges, seeds)  # type: ignore[arg-type]
+    finally:
+        handoff.close()
+        for own, saved in hooks:
+            own.update(saved)

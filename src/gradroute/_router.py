@@ -105,6 +105,13 @@ class Router:
         :meth:`step` closes a micro-batch: call it once per micro-batch, after that micro-batch's
         ``backward`` call(s); it steps the optimizers on every ``accumulate``-th call.
 
+        Hooks fire as in a plain backward of each loss on its own: a parameter's ``register_hook`` and
+        ``register_post_accumulate_grad_hook`` hooks once per backward, DDP's and FSDP's too. A
+        ``register_hook`` hook on an intermediate tensor runs once for each routed pass that reaches the
+        tensor (:meth:`plan` lists the passes), on that pass's gradient; where the plan cuts a pass at that
+        tensor, it is called once more with a zero gradient (what it returns for it is added), so hooks that
+        scale, negate or clip stay exact.
+
         Raises:
             ValueError, TypeError: a bad loss or group name; raised before any ``.grad`` is touched.
         """

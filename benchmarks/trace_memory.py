@@ -1,20 +1,31 @@
 """Peak live tensor bytes of one step, traced op by op: summed backward against the routed one.
 
 The bench's CPU memory column is the process's resident set; this counts the bytes of the tensors alive after
-every aten op (a ``TorchDispatchMode``), so it says where a peak happens and what is alive there.
+every aten op (a ``TorchDispatchMode``), so it says where a peak happens and what is alive there. Parameters'
+own storages are not counted (a weight's transpose is a view of it); gradients are.
 
     python benchmarks/trace_memory.py                      # sd-tiny with checkpointing, gradroute.checkpoint
     python benchmarks/trace_memory.py --chunk 40           # the planner's chunk size (``_plan._CHUNK``)
     python benchmarks/trace_memory.py --no-checkpointing
+    python benchmarks/trace_memory.py --workload sd15 --device meta --batch-size 32 --kind gradroute,blocks
+
+On the ``meta`` device nothing is computed, only shapes: the full SD-1.5 architecture at a GPU's batch traces
+in seconds. Attention then goes through the fused kernel a GPU would take (``F.scaled_dot_product_attention``
+is pointed at aten's flash kernel, or the memory-efficient one where there is a mask), so no attention matrix
+is materialised; everything is fp32 (no autocast on ``meta``), which doubles the activations against a bf16
+run while the gradients stay fp32, so the routed/summed ratio is, if anything, pessimistic.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -25,8 +36,9 @@ from gradroute import _plan, _workloads
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages made under the mode and still alive; the peak and the op it happened in."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         super().__init__()
+        self.skip = skip
         self.live: dict[int, int] = {}
         self.now = self.peak = 0
         self.at = ""
@@ -42,8 +54,8 @@ class LiveBytes(TorchDispatchMode):
     def _track(self, t: Any) -> None:
         if isinstance(t, torch.Tensor):
             storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key and key not in self.live:
+            key = storage._cdata  # the storage itself: meta storages have no data pointer
+            if key not in self.live and key not in self.skip:
                 self.live[key] = storage.nbytes()
                 self.now += storage.nbytes()
                 weakref.finalize(storage, self._free, key)
@@ -52,15 +64,40 @@ class LiveBytes(TorchDispatchMode):
         self.now -= self.live.pop(key, 0)
 
 
-def trace(routed: bool, checkpointing: bool, kind: str) -> tuple[float, float, str, int]:
-    """(bytes alive after the forward, peak, where, engine calls) in MiB, of the second of two steps."""
-    wl = _workloads.build("sd-tiny", checkpointing=checkpointing)
-    if checkpointing and wl.set_checkpoint is not None:
-        wl.set_checkpoint(kind if routed else "torch")
+def _fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # type: ignore[no-untyped-def]
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    bias = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, False, dropout_p, is_causal, scale=scale
+    )[0]
+
+
+@contextlib.contextmanager
+def fused_attention(on: bool) -> Iterator[None]:
+    original = F.scaled_dot_product_attention
+    if on:
+        F.scaled_dot_product_attention = _fused_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def trace(wl: _workloads.Workload, kind: str) -> tuple[float, float, str, int]:
+    """(bytes alive after the forward, peak, where, engine calls) in MiB, of the second of two steps.
+
+    ``kind``: the checkpoint (``gradroute``, ``blocks``, ``torch``; ignored without checkpointing) of a routed
+    step, or with a ``sum:`` prefix of one backward of the summed losses (``sum`` alone: ``sum:torch``).
+    """
+    routed = not kind.startswith("sum")
+    if wl.set_checkpoint is not None:
+        wl.set_checkpoint(kind.partition(":")[2] or "torch" if not routed else kind)
+    params = {p.untyped_storage()._cdata for m in wl.groups.values() for p in m.parameters()}
     router = gradroute.Router(**wl.groups)
     calls = 0
     for _ in range(2):
-        with LiveBytes() as mode:
+        with LiveBytes(params) as mode:
             _, losses = wl.forward()
             after_forward = mode.now
             if routed:
@@ -76,9 +113,16 @@ def trace(routed: bool, checkpointing: bool, kind: str) -> tuple[float, float, s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=("sd-tiny", "sd15"), default="sd-tiny")
+    p.add_argument("--device", default="cpu", help="cpu (default) or meta (shapes only)")
+    p.add_argument("--batch-size", type=int, default=None, help="default per workload")
+    p.add_argument("--latent-size", type=int, default=None, help="sd15: latent height and width (default 64)")
     p.add_argument("--no-checkpointing", action="store_true")
     p.add_argument(
-        "--kind", choices=("gradroute", "blocks", "torch"), default="gradroute", help="routed step's checkpoint"
+        "--kind",
+        default="gradroute",
+        help="comma-separated: a routed step's checkpoint (gradroute, blocks, torch) or sum:<checkpoint>; the first "
+        "is the reference (sum:torch is put first unless a sum: comes first)",
     )
     p.add_argument("--chunk", type=int, default=None, help=f"nodes per chunk (default {_plan._CHUNK})")
     args = p.parse_args()
@@ -86,11 +130,24 @@ def main() -> None:
     if args.chunk is not None:
         _plan._CHUNK = args.chunk
     ckpt = not args.no_checkpointing
-    for routed in (False, True):
-        fwd, peak, at, calls = trace(routed, ckpt, args.kind)
-        name = f"gradroute ({args.kind if ckpt else 'no checkpointing'})" if routed else "sum"
-        extra = f", {calls} engine calls" if routed else ""
-        print(f"{name}: {fwd:.2f} MiB after the forward, peak {peak:.2f} MiB at {at}{extra}")
+    wl = _workloads.build(
+        args.workload,
+        batch_size=args.batch_size,
+        device=args.device,
+        checkpointing=ckpt,
+        latent_size=args.latent_size,
+    )
+    with fused_attention(args.device == "meta"):
+        kinds = (args.kind.split(",") if ckpt else ["gradroute"])
+        kinds = kinds if kinds[0].startswith("sum") else ["sum", *kinds]
+        floor = None
+        for kind in kinds:
+            fwd, peak, at, calls = trace(wl, kind)
+            floor = peak if floor is None else floor
+            name = kind if kind.startswith("sum") else f"gradroute ({kind if ckpt else 'no checkpointing'})"
+            extra = "" if kind.startswith("sum") else f", {calls} engine calls"
+            ratio = f"{peak / floor:.3f}x {kinds[0]}"
+            print(f"{name}: {fwd:.2f} MiB after the forward, peak {peak:.2f} MiB ({ratio}) at {at}{extra}")
 
 
 if __name__ == "__main__":

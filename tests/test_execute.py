@@ -25,18 +25,27 @@ CKS: dict[str, CK] = {
 }
 
 
+class Block(nn.Module):
+    """``x + mlp(x)``: the residual add inside, so that a checkpoint segment is the whole block."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
 class Net(nn.Module):
-    """Residual tanh blocks, each a checkpoint segment when ``ck`` is given."""
+    """Residual blocks, each a checkpoint segment when ``ck`` is given."""
 
     def __init__(self, d: int, n: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d)) for _ in range(n)
-        )
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
 
     def forward(self, x: torch.Tensor, ck: CK = None) -> torch.Tensor:
         for b in self.blocks:
-            x = x + (b(x) if ck is None else ck(b, x))
+            x = b(x) if ck is None else ck(b, x)
         return x
 
 

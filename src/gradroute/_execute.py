@@ -89,7 +89,9 @@ def execute(program: Program, *, accumulate: bool) -> list[dict[int, torch.Tenso
     Returns:
         With ``accumulate=False``: per route, ``id(param) -> gradient``. Otherwise empty dicts.
     """
-    with routed_backward():
+    with routed_backward() as session:
+        nodes = program.graph.nodes
+        session.unshared = {nodes[i] for i in program.unshared}
         return _run(program, accumulate)
 
 

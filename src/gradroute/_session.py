@@ -15,6 +15,8 @@ class Session:
 
     def __init__(self) -> None:
         self.on_exit: list = []
+        # autograd nodes whose gradroute.checkpoint segment is recomputed once per engine call, not shared
+        self.unshared: set = set()
 
 
 _current: Session | None = None

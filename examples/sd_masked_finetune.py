@@ -20,12 +20,12 @@ the region the UNet is trained on) and ``captions.txt`` (one ``file_name<TAB>cap
 Optimizers: two AdamW with the seed's settings (text encoder lr 1e-7, weight decay 1e-3; UNet lr 1e-6, weight
 decay 1e-2; betas (0.9, 0.99), eps 1e-7) and a warmup-then-power schedule per optimizer. Mixed precision:
 ``--mixed-precision fp16`` (autocast + one GradScaler shared by both optimizers, one update per step) or
-``bf16`` (autocast, no scaler). ``--gradient-checkpointing [blocks|gradroute|torch]``: ``blocks`` (the default
-when the flag has no value) checkpoints whole UNet blocks with ``gradroute.checkpoint_modules`` and points the
-text encoder's own switch at ``gradroute.checkpoint``: one recomputation per step, freed chunk by chunk as the
-routed passes go down; ``gradroute`` points both libraries' own switches at ``gradroute.checkpoint`` (one
-recomputation, but diffusers' per-layer segments keep several alive at once); ``torch`` uses the switches as
-they are (every routed engine call recomputes the segments it enters);
+``bf16`` (autocast, no scaler). ``--gradient-checkpointing [gradroute|blocks|torch]``: ``gradroute`` (the
+default when the flag has no value) points both libraries' own switches at ``gradroute.checkpoint``: peak
+memory at the floor (the router recomputes diffusers' per-layer segments once per pass there, as torch would,
+because its skip connections do not let the passes interleave); ``blocks`` checkpoints whole UNet blocks with
+``gradroute.checkpoint_modules`` instead (one shared recomputation per step, but a block is more to hold than
+a layer: at 512 px about 1.5× the peak); ``torch`` uses the switches as they are;
 ``--lora-rank R`` trains LoRA adapters (peft) on both models instead of all weights. The trained models are
 written with ``save_pretrained`` to ``--output-dir`` in the same layout (LoRA adapters are merged there, and
 also saved on their own under ``lora/``).
@@ -67,7 +67,7 @@ GROUPS = ("tenc", "unet")
 
 
 #: ``--gradient-checkpointing`` modes, the default (no value given) first
-CHECKPOINTING = ("blocks", "gradroute", "torch")
+CHECKPOINTING = ("gradroute", "blocks", "torch")
 
 
 class UsageError(Exception):
@@ -366,11 +366,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--gradient-checkpointing",
         nargs="?",
-        const="blocks",
+        const="gradroute",
         default=None,
         choices=CHECKPOINTING,
-        help="blocks (default): whole UNet blocks under gradroute.checkpoint; gradroute: the libraries' own "
-        "switches pointed at gradroute.checkpoint; torch: the switches as they are",
+        help="gradroute (default): the libraries' own switches pointed at gradroute.checkpoint; blocks: whole UNet "
+        "blocks under gradroute.checkpoint; torch: the switches as they are",
     )
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full weights)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

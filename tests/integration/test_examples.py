@@ -143,13 +143,13 @@ def test_sd_main_trains_checks_grads_and_saves(
 @pytest.mark.parametrize(
     ("extra", "pixel_space"),
     [
-        (["--gradient-checkpointing"], False),  # blocks
+        (["--gradient-checkpointing"], False),  # gradroute
         (["--gradient-checkpointing", "torch"], False),
         (["--mixed-precision", "fp16"], False),  # CPU fp16 autocast + GradScaler("cpu"), driven by the router
-        (["--mixed-precision", "bf16", "--gradient-checkpointing", "gradroute"], False),
+        (["--mixed-precision", "bf16", "--gradient-checkpointing", "blocks"], False),
         ([], True),  # no vae/: the UNet trains on RGB pixels
     ],
-    ids=["checkpointing-blocks", "checkpointing-torch", "fp16-scaler", "bf16-checkpointing-gradroute", "pixel-space"],
+    ids=["checkpointing-gradroute", "checkpointing-torch", "fp16-scaler", "bf16-checkpointing-blocks", "pixel-space"],
 )
 def test_sd_main_check_grads_variants(
     tiny_sd: Path,
@@ -228,7 +228,7 @@ def test_sd_model_dir_without_unet_fails(tiny_sd: Path, tmp_path: Path, capsys: 
 def test_sd_unknown_checkpointing_mode_fails(tiny_sd: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import sd_masked_finetune as sd
 
-    with pytest.raises(sd.UsageError, match=r"`--gradient-checkpointing` must be one of blocks, gradroute, torch"):
+    with pytest.raises(sd.UsageError, match=r"`--gradient-checkpointing` must be one of gradroute, blocks, torch"):
         sd.load_models(tiny_sd / "model", CPU, gradient_checkpointing="layers")
     with pytest.raises(SystemExit):  # argparse: a choice it does not know
         run_sd(tiny_sd, tmp_path / "out", "--gradient-checkpointing", "layers")

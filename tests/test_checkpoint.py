@@ -712,3 +712,34 @@ def test_segment_inputs_freed_with_their_segment_not_at_the_end(monkeypatch: pyt
     del ls
     # freed one by one as the passes go down (after each of the three unet blocks' last call, ...)
     assert n == 5 and live == sorted(live, reverse=True) and live[-2] <= 2 and live[-1] == 0, live
+
+
+def test_cut_points_let_diffusers_per_layer_segments_share_one_recomputation(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts: dict[str, list[int]] = {"tenc": [], "unet": []}
+    tenc, unet, forward = _sd_tiny(_counting(gradroute.checkpoint, counts))
+    from gradroute._workloads import unet_cut_points
+
+    handles = gradroute.cut_points(*unet_cut_points(unet))
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(forward, groups)
+    counts["tenc"].clear()
+    counts["unet"].clear()
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    losses = forward()
+    notes = router.plan(**losses).notes
+    assert not any("recomputed once per call" in n for n in notes), notes  # interleaved, not torch's plan
+    live = _backward_sampling_live(monkeypatch, router, losses)
+    assert counts["unet"] == [1] * len(counts["unet"]) and counts["tenc"] == [1, 1], counts  # once each
+    assert max(live) <= 2 and live[-1] == 0, live
+    assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
+
+    for h in handles:
+        h.remove()
+    notes = gradroute.Router(tenc=tenc, unet=unet).plan(**forward()).notes
+    assert any("recomputed once per call" in n for n in notes), notes  # without them: torch's plan
+
+
+@pytest.mark.parametrize("bad", [3, "unet", torch.zeros(2)])
+def test_cut_points_non_module_fails(bad: Any) -> None:
+    with pytest.raises(TypeError, match=r"`modules` item 1 must be an nn.Module, got"):
+        gradroute.cut_points(nn.Linear(2, 2), bad)

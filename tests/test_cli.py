@@ -250,7 +250,7 @@ def test_help_exits_zero(capsys):
     assert "--strategies" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("strategy", ["gradroute_ckpt", "gradroute_blocks"])
+@pytest.mark.parametrize("strategy", ["gradroute_ckpt", "gradroute_blocks", "gradroute_cuts"])
 def test_sd15_tiny_checkpointing_strategies_route_exactly(strategy):
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")

@@ -5,7 +5,7 @@ autograd graph. See :class:`Router`.
 """
 
 from . import schedules
-from ._checkpoint import checkpoint, checkpoint_modules
+from ._checkpoint import checkpoint, checkpoint_modules, cut_points
 from ._execute import GraphFreedError
 from ._group import Group
 from ._plan import Call, Plan
@@ -22,6 +22,7 @@ __all__ = [
     "StepStats",
     "checkpoint",
     "checkpoint_modules",
+    "cut_points",
     "schedules",
 ]
 __version__ = "0.1.0"

@@ -22,6 +22,9 @@ Strategies (``up``/``down`` are the upstream and downstream groups of the worklo
 * ``gradroute_blocks`` -- with ``--checkpointing`` only: ``gradroute`` with ``gradroute.checkpoint_modules``
   on whole UNet blocks (``sd15``: down, mid and up blocks instead of diffusers' per-layer switch, so that the
   router can interleave its calls per block; ``sd-tiny`` checkpoints whole blocks already: as ``gradroute_ckpt``).
+* ``gradroute_cuts`` -- with ``--checkpointing`` only: ``gradroute_ckpt`` plus ``gradroute.cut_points`` on the
+  UNet blocks' submodules (``sd15``: the passes interleave layer by layer, one recomputation per segment;
+  ``sd-tiny``: as ``gradroute_ckpt``).
 
 Measured per strategy: the relative L2 error of each group's gradient against a reference of independent
 forwards (one fresh forward per loss and ``torch.autograd.grad``, under the same dtype/autocast as the run,
@@ -54,7 +57,7 @@ from ._workloads import DEFAULT_BATCH, Workload, build
 STRATEGIES = ("sum", "seed", "retain_twice", "freeze", "two_forward", "pruned", "cut", "gradroute")
 #: with activation checkpointing only
 #: strategy -> the checkpoint kind the workload switches to (see ``Workload.set_checkpoint``)
-CKPT_STRATEGIES = {"gradroute_ckpt": "gradroute", "gradroute_blocks": "blocks"}
+CKPT_STRATEGIES = {"gradroute_ckpt": "gradroute", "gradroute_blocks": "blocks", "gradroute_cuts": "cuts"}
 #: strategies whose gradients are wrong by design
 INEXACT = ("sum", "seed")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -210,6 +213,7 @@ STRATEGY_FNS: dict[str, Callable[[Runner], None]] = {
     "gradroute": _gradroute,
     "gradroute_ckpt": _gradroute,
     "gradroute_blocks": _gradroute,
+    "gradroute_cuts": _gradroute,
 }
 
 

@@ -93,7 +93,7 @@ from ._graph import saved_attrs
 
 # torch's non-reentrant checkpoint saves these in its segments' nodes (private; absent in some versions)
 _TorchHolder: type | None = getattr(torch.utils.checkpoint, "_Holder", None)
-__all__ = ["checkpoint", "checkpoint_kind", "checkpoint_modules"]
+__all__ = ["checkpoint", "checkpoint_kind", "checkpoint_modules", "cut_points"]
 
 _DETERMINISM = ("default", "none")
 
@@ -443,6 +443,45 @@ def checkpoint_modules(*modules: torch.nn.Module) -> None:
             raise TypeError(f"`modules` item {k} must be an nn.Module, got {type(m).__name__}")
     for m in modules:
         m.forward = functools.partial(checkpoint, m.forward)  # type: ignore[method-assign]
+
+
+def cut_points(*modules: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    """Let the router cut its passes at these modules' outputs: every op that consumes one gets its own view.
+
+    The router interleaves its passes through shared :func:`checkpoint` segments only where it can cut
+    between them, and a tensor that plain code hands to ops on both sides of a segment leaves no cut there
+    (a ``GradientEdge`` captures the sum of everything flowing into a node). diffusers' UNet with its own
+    per-layer switch is such a case: its skip connections leave from un-checkpointed modules (downsamplers,
+    transformer models). The planner then recomputes those segments once per pass, like torch, to keep the
+    peak at the floor. Marking the UNet blocks' submodules as cut points gives each consumer of their outputs
+    an autograd node of its own, so the passes interleave layer by layer and share one recomputation. Nothing
+    changes outside a routed backward but one view per consuming op. Module forward hooks.
+
+    Args:
+        *modules: the modules whose outputs may be cut (e.g. every resnet, transformer model, down- and
+            upsampler of ``unet.down_blocks``, ``unet.mid_block`` and ``unet.up_blocks``).
+
+    Returns:
+        The forward hooks' handles (``handle.remove()`` undoes it).
+
+    Raises:
+        TypeError: an argument is not an ``nn.Module``.
+
+    Example:
+        >>> import torch, gradroute
+        >>> body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        >>> handles = gradroute.cut_points(body[0])
+        >>> y = body[0](torch.randn(2, 4, requires_grad=True))
+        >>> (y * 2 + y).sum().backward()  # two consumers of y, each through a view of its own
+    """
+    for k, m in enumerate(modules):
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"`modules` item {k} must be an nn.Module, got {type(m).__name__}")
+    return [m.register_forward_hook(_view_outputs) for m in modules]
+
+
+def _view_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    return tree_map(_consumer_views, output)
 
 
 #: (first, end) autograd sequence numbers of every checkpointed segment whose graph may be alive, in order.

@@ -47,7 +47,8 @@ class Workload:
         info: sizes, for the report.
         set_checkpoint: with activation checkpointing, switches the checkpoint function of both networks:
             ``"torch"`` (``torch.utils.checkpoint``, non-reentrant), ``"gradroute"`` (``gradroute.checkpoint``) or
-            ``"blocks"`` (``gradroute.checkpoint_modules`` on whole UNet blocks).
+            ``"blocks"`` (``gradroute.checkpoint_modules`` on whole UNet blocks) or ``"cuts"`` (``"gradroute"`` with
+            ``gradroute.cut_points`` on the UNet blocks' submodules; ``sd-tiny``: as ``"gradroute"``).
     """
 
     name: str
@@ -150,7 +151,8 @@ def _sd_tiny(bs: int, dev: torch.device, checkpointing: bool, seed: int, width: 
     def set_checkpoint(kind: str) -> None:
         import gradroute
 
-        tenc.checkpoint_fn = unet.checkpoint_fn = gradroute.checkpoint if kind in ("gradroute", "blocks") else None
+        shared = kind in ("gradroute", "blocks", "cuts")
+        tenc.checkpoint_fn = unet.checkpoint_fn = gradroute.checkpoint if shared else None
 
     return Workload(
         "sd-tiny",
@@ -385,6 +387,20 @@ def sd15_configs(size: str = "full") -> tuple[dict[str, Any], dict[str, Any]]:
     return unet, text
 
 
+def unet_cut_points(unet: Any) -> list[torch.nn.Module]:
+    """The submodules of a diffusers ``UNet2DConditionModel`` whose outputs feed skip connections or several
+    layers (``conv_in``, ``time_embedding``, and every resnet, transformer model, down- and upsampler of its
+    blocks): with ``gradroute.cut_points`` on them, the router interleaves its passes layer by layer."""
+    blocks = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
+    subs = [
+        m
+        for b in blocks
+        for name in ("resnets", "attentions", "downsamplers", "upsamplers")
+        for m in (getattr(b, name, None) or [])
+    ]
+    return [unet.conv_in, unet.time_embedding, *subs]
+
+
 def _sd15(bs: int, dev: torch.device, checkpointing: bool, seed: int, size: str, latent_size: int | None) -> Workload:
     unet_cls, text_config_cls, text_cls = _require_sd15()
     unet_cfg, text_cfg = sd15_configs(size)
@@ -439,6 +455,7 @@ def _sd15(bs: int, dev: torch.device, checkpointing: bool, seed: int, size: str,
         return {"tenc": loss.mean(), "unet": (loss * b["masks"]).mean()}
 
     current = ["torch"]
+    cut_handles: list[Any] = []
 
     def set_checkpoint(kind: str) -> None:
         if kind == current[0]:
@@ -448,11 +465,15 @@ def _sd15(bs: int, dev: torch.device, checkpointing: bool, seed: int, size: str,
         blocks = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
         for m in blocks:  # undo checkpoint_modules
             m.__dict__.pop("forward", None)
+        while cut_handles:  # and cut_points
+            cut_handles.pop().remove()
         if kind == "blocks":
             unet.disable_gradient_checkpointing()
             gradroute.checkpoint_modules(*blocks)
-        elif kind == "gradroute":
+        elif kind in ("gradroute", "cuts"):
             unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)
+            if kind == "cuts":
+                cut_handles.extend(gradroute.cut_points(*unet_cut_points(unet)))
         else:
             unet.enable_gradient_checkpointing()
         if kind == "torch":

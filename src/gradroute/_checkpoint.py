@@ -32,8 +32,10 @@ device). The planner sees it coming (``_plan._unshared``: the recomputed bytes t
 at once, against the largest segment's) and then plans as for torch's checkpoint: no cuts inside segments,
 each segment recomputed once per engine call and every recomputed tensor dropped once used (1.01× there,
 torch's own checkpoint routed: 1.06×), at torch's cost in time (a second recomputation). The plan says so in
-a note. :func:`checkpoint_modules` on whole blocks (``*unet.down_blocks, unet.mid_block, *unet.up_blocks``)
-makes the block outputs segment outputs: the calls interleave and each block is recomputed once.
+a note. :func:`cut_points` on the UNet blocks' submodules gives the consumers of their outputs views of their
+own: the passes then interleave layer by layer and share one recomputation (1.10×). :func:`checkpoint_modules`
+on whole blocks (``*unet.down_blocks, unet.mid_block, *unet.up_blocks``) makes the block outputs segment
+outputs: the calls interleave too and each block is recomputed once (a block is more to hold than a layer).
 
 A frame (one call of :func:`checkpoint`) holds its segment's inputs for the recomputation; nothing else
 holds the frame but the segment's nodes, so the inputs go as soon as the segment's nodes are freed by their

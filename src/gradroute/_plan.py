@@ -412,22 +412,24 @@ def _analyse(
         if nd:
             last[i] = max(_bits(nd), key=lambda k: pos[k])
 
-    segment = _shared_segments(g, need) if interleave else {}
-    held: float = _HELD
-    while True:
+    def staged(segment: dict[int, int]) -> tuple[list[Stage], list[list[int]], int]:
         per_pass: list[tuple[list[Stage], list[list[int]]]] = []
         kept = 0
         for k in order:
             st, members_of, k_kept = _stage_pass(g, k, routes, root_edges, pass_routes[k], need, last, target, segment)
             kept += k_kept
             per_pass.append((st, members_of))
-        stages, stage_members = _schedule(g, per_pass, root_edges)
-        unshared, n_unshared = _unshared(g, stage_members, held) if segment or not held else ([], 0)
-        if not held or not n_unshared or not _FALL_BACK:
-            break
+        return (*_schedule(g, per_pass, root_edges), kept)
+
+    segment = _shared_segments(g, need) if interleave else {}
+    stages, stage_members, kept = staged(segment)
+    unshared, n_unshared = _unshared(g, stage_members, _HELD) if segment else ([], 0)
+    if n_unshared:
         # shared recomputations would pile up: plan as for torch's checkpoint instead (no cuts inside the
-        # segments) and recompute every segment once per pass, each tensor dropped once used
-        segment, held = {}, 0
+        # segments) and recompute every segment once per call, each tensor dropped once used
+        segment = {}
+        stages, stage_members, kept = staged(segment)
+        unshared, n_unshared = _unshared(g, stage_members, 0)
     calls: list[Call] = []
 
     groups_of_pass = [tuple(routes[r].name for r in _bits(pass_routes[k])) for k in range(n_pass)]
@@ -466,8 +468,8 @@ def _analyse(
                 f"{n_unshared} gradroute.checkpoint segment(s) are recomputed once per call instead of shared: "
                 "the passes cannot interleave through all of them (plain code hands a tensor to ops on both "
                 "sides, e.g. diffusers' skip connections) and shared recomputations would stay alive together, "
-                "so the calls are those of torch's checkpoint; gradroute.checkpoint_modules on whole blocks "
-                "lets the passes interleave",
+                "so the calls are those of torch's checkpoint; gradroute.cut_points on the modules whose outputs "
+                "those tensors are (or gradroute.checkpoint_modules on whole blocks) lets the passes interleave",
             )
             if n_unshared
             else ()
@@ -607,12 +609,9 @@ def _schedule(
     """Interleave the passes' stages: downstream work first, as a plain backward would order it.
 
     Constraints: a pass's stages run in order, and a retaining call through a node runs before the call that
-    frees it. Among the calls that may run, the one whose deepest node was created last (highest lowest
+    frees it. Among the calls that may run, the one starting at the most recently created node (highest
     autograd sequence number) goes first: e.g. the text encoder's deferred part runs after the UNet pass,
-    so the UNet's activations are freed before the text encoder's weight gradients are allocated, even when
-    that part starts inside the UNet (the cross-attention projections of the text embedding). Ordering by
-    where a call starts put that part first: SD-1.5 at 512 px, batch 8, peaked at 1.24× the summed
-    backward instead of 1.16× (``benchmarks/trace_memory.py --device meta``).
+    so the UNet's activations are freed before the text encoder's weight gradients are allocated.
     """
     stages: list[Stage] = []
     members: list[list[int]] = []
@@ -646,8 +645,10 @@ def _schedule(
         except (AttributeError, RuntimeError):
             return -1
 
-    # the deepest node a call reaches (lowest sequence number): a call that stays downstream goes first
-    key = [min((s for s in map(seq, members[sid]) if s >= 0), default=-1) for sid in range(n)]
+    key = []
+    for st in stages:
+        starts = [g.index[root_edges[r][t].node] for r, t in st.losses] + [j for j, _ in st.cuts_in]
+        key.append(max((seq(i) for i in starts), default=-1))
     done: set[int] = set()
     order: list[int] = []
     while len(order) < n:
@@ -875,10 +876,14 @@ def _unshared(g: Graph, stage_members: list[list[int]], factor: float) -> tuple[
     segment at a time; where they cannot (a tensor that plain code hands to ops on both sides of the
     segments, e.g. diffusers' skip connections from its downsamplers), one retaining call recomputes a whole
     run of segments and all of them stay alive until the other pass has been through them: on SD-1.5 at
-    512 px, several times the summed backward's peak. While the bytes so held exceed ``_HELD`` times the
-    largest segment's (``factor``), the segments holding the most are recomputed once per call instead, each
-    recomputed tensor dropped once its node has used it, as ``torch.utils.checkpoint`` does.
-    Returns those nodes and how many segments they make.
+    512 px, several times the summed backward's peak. While the bytes so held after some call exceed
+    ``factor`` times the largest segment's, the segments holding the most there are picked (``factor`` 0:
+    every segment that more than one call enters). The planner replans when there are any (``_analyse``);
+    the executor recomputes the picked segments once per engine call, each recomputed tensor dropped once its
+    node has used it, as ``torch.utils.checkpoint`` does (``_checkpoint``, ``Session.unshared``).
+
+    Returns:
+        The picked segments' nodes, and how many segments they make.
     """
     from ._checkpoint import held_bytes, segments
 
@@ -932,4 +937,3 @@ def _unshared(g: Graph, stage_members: list[list[int]], factor: float) -> tuple[
 #: How many of the largest segment's recomputations may be alive at once between calls before the
 #: segments holding the most are recomputed per call instead (``_unshared``).
 _HELD = 2
-_FALL_BACK = True

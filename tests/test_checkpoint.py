@@ -743,3 +743,17 @@ def test_cut_points_let_diffusers_per_layer_segments_share_one_recomputation(mon
 def test_cut_points_non_module_fails(bad: Any) -> None:
     with pytest.raises(TypeError, match=r"`modules` item 1 must be an nn.Module, got"):
         gradroute.cut_points(nn.Linear(2, 2), bad)
+
+
+def test_grads_exact_where_segments_are_recomputed_per_call() -> None:
+    tenc, unet, forward = _sd_tiny(gradroute.checkpoint)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(forward, groups)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    losses = forward()
+    assert any("recomputed once per call" in n for n in router.plan(**losses).notes)
+    got = router.grads(**losses)
+    for p, g in zip(groups["tenc"] + groups["unet"], [*got["tenc"], *got["unet"]], strict=True):
+        assert p.grad is None  # grads() leaves .grad alone
+        p.grad = g
+    assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)

@@ -757,3 +757,33 @@ def test_grads_exact_where_segments_are_recomputed_per_call() -> None:
         assert p.grad is None  # grads() leaves .grad alone
         p.grad = g
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
+
+
+def test_without_interleaving_segments_are_recomputed_per_call_not_piled_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # what the router does for FSDP2's parameters (no cuts inside the segments): shared, every unet segment's
+    # recomputation would stay alive from the text-encoder call to the unet call
+    from gradroute import _plan, _router
+
+    def no_interleave(*args: Any, **kwargs: Any) -> Any:
+        return _plan.build(*args, **{**kwargs, "interleave": False})
+
+    tenc, unet = make()
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(lambda: losses(tenc, unet, None), groups)
+    monkeypatch.setattr(_router, "build", no_interleave)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    ls = losses(tenc, unet, gradroute.checkpoint)
+    assert any("recomputed once per call" in n for n in router.plan(**ls).notes)
+    live = _backward_sampling_live(monkeypatch, router, ls)
+    assert max(live) == 0, live  # each call's recomputations are gone when it returns
+    assert_grads_match(groups["tenc"] + groups["unet"], expected)
+
+    monkeypatch.setattr(_router, "build", no_interleave)
+    monkeypatch.setattr(_plan, "_HELD", 10**9)  # shared: they pile up
+    for p in groups["tenc"] + groups["unet"]:
+        p.grad = None
+    live = _backward_sampling_live(
+        monkeypatch, gradroute.Router(tenc=tenc, unet=unet), losses(tenc, unet, gradroute.checkpoint)
+    )
+    assert max(live) >= 3, live
+    assert_grads_match(groups["tenc"] + groups["unet"], expected)

@@ -423,12 +423,14 @@ def _analyse(
 
     segment = _shared_segments(g, need) if interleave else {}
     stages, stage_members, kept = staged(segment)
-    unshared, n_unshared = _unshared(g, stage_members, _HELD) if segment else ([], 0)
+    unshared, n_unshared = _unshared(g, stage_members, _HELD)
     if n_unshared:
-        # shared recomputations would pile up: plan as for torch's checkpoint instead (no cuts inside the
-        # segments) and recompute every segment once per call, each tensor dropped once used
-        segment = {}
-        stages, stage_members, kept = staged(segment)
+        # shared recomputations would pile up (the passes cannot interleave through the segments, or must
+        # not: FSDP2): plan as for torch's checkpoint (no cuts inside the segments) and recompute every
+        # segment once per call, each tensor dropped once used
+        if segment:
+            segment = {}
+            stages, stage_members, kept = staged(segment)
         unshared, n_unshared = _unshared(g, stage_members, 0)
     calls: list[Call] = []
 

@@ -559,22 +559,24 @@ def _consumer_views(x: Any) -> Any:
     return x
 
 
+def _packed(node: Any) -> list[Any]:
+    """What a node's saved-tensor hooks packed for each of its saved tensors (``[]`` once the node is freed)."""
+    out: list[Any] = []
+    for name in saved_attrs(node):
+        try:
+            raw = getattr(node, name)
+        except RuntimeError:  # freed by an earlier backward
+            return []
+        out.extend(s.data if s is not None else None for s in (raw if isinstance(raw, (list, tuple)) else (raw,)))
+    return out
+
+
 def held_bytes(node: Any) -> int:
     """Bytes of the tensors a node's saved ``gradroute.checkpoint`` holders stand for (0 for other nodes).
 
     For the planner: what a recomputation of the node's segment keeps alive for it until the node is freed.
     """
-    total = 0
-    for name in saved_attrs(node):
-        try:
-            raw = getattr(node, name)
-        except RuntimeError:  # freed
-            return 0
-        for s in raw if isinstance(raw, (list, tuple)) else (raw,):
-            data = s.data if s is not None else None
-            if isinstance(data, _Holder):
-                total += data.nbytes
-    return total
+    return sum(d.nbytes for d in _packed(node) if isinstance(d, _Holder))
 
 
 def checkpoint_kind(node: Any) -> str | None:
@@ -597,16 +599,9 @@ def checkpoint_kind(node: Any) -> str | None:
         return None
     if "_raw_saved_tensors" in names and node.name() == "CheckpointFunctionBackward":
         return "reentrant"
-    for name in names:
-        try:
-            raw = getattr(node, name)
-            saved = raw if isinstance(raw, (list, tuple)) else (raw,)
-            for s in saved:
-                data = s.data if s is not None else None
-                if isinstance(data, _Holder):
-                    return "gradroute"
-                if _TorchHolder is not None and isinstance(data, _TorchHolder):
-                    return "torch"
-        except RuntimeError:  # freed by an earlier backward
-            return None
+    for data in _packed(node):
+        if isinstance(data, _Holder):
+            return "gradroute"
+        if _TorchHolder is not None and isinstance(data, _TorchHolder):
+            return "torch"
     return None

@@ -160,3 +160,26 @@ def test_captured_parameter_gradients_are_stolen_into_grad(ck: str) -> None:
     with AccumulateGradOps() as mode:
         router.backward(**losses)  # into existing .grad: in-place adds only
     assert set(mode.ops) == {"aten.add_.Tensor"}
+
+
+@pytest.mark.parametrize(
+    ("shape", "index", "copied"),
+    [
+        ((4, 6), (slice(None), slice(0, 3)), True),
+        ((4, 6), (slice(None), slice(0, 4)), False),
+        ((4, 6), (slice(None),), False),
+    ],
+)
+def test_cut_gradient_held_for_a_later_call_does_not_keep_a_larger_buffer(
+    shape: tuple[int, ...], index: tuple[slice, ...], copied: bool
+) -> None:
+    # the backward of torch.cat hands out slices of one buffer (a UNet's skip connections): a slice held across
+    # engine calls is copied when it would keep a buffer of twice its size or more alive
+    from gradroute._execute import _compact
+
+    g = torch.randn(shape)[index]
+    got = _compact(g)
+    assert got is not None
+    torch.testing.assert_close(got, g, rtol=0, atol=0)
+    assert (got.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()) == copied
+    assert _compact(None) is None

@@ -136,7 +136,8 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
         finally:
             handoff.close()
         for i, (j, nr) in enumerate(st.cuts_out):
-            _add(pending, (st.pass_index, j, nr), res[i])
+            _add(pending, (st.pass_index, j, nr), _compact(res[i]))
+            res[i] = None
         grads = res[len(cuts) :]
         del res  # the engine steals what nothing else references
         if accumulate:
@@ -152,6 +153,17 @@ def _add(into: dict[Any, torch.Tensor], key: Any, g: torch.Tensor | None) -> Non
     if g is not None:
         prev = into.get(key)
         into[key] = g if prev is None else prev + g
+
+
+def _compact(g: torch.Tensor | None) -> torch.Tensor | None:
+    """``g``, copied if, waiting for a later call, it would keep a storage of twice its size or more alive.
+
+    The engine hands out slices of one gradient buffer (the backward of ``torch.cat``: a UNet's skip connections),
+    and a slice held across calls keeps the whole buffer: the rest of it was consumed long ago.
+    """
+    if g is None or g.untyped_storage().nbytes() < 2 * g.numel() * g.element_size():
+        return g
+    return g.clone(memory_format=torch.contiguous_format)
 
 
 def _accumulate(accumulators: list[Node], params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:

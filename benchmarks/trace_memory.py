@@ -138,7 +138,7 @@ def main() -> None:
         latent_size=args.latent_size,
     )
     with fused_attention(args.device == "meta"):
-        kinds = (args.kind.split(",") if ckpt else ["gradroute"])
+        kinds = args.kind.split(",") if ckpt else ["gradroute"]
         kinds = kinds if kinds[0].startswith("sum") else ["sum", *kinds]
         floor = None
         for kind in kinds:

@@ -79,6 +79,8 @@ from typing import Any
 
 import torch
 from torch._C._autograd import _get_sequence_nr
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import (
     CheckpointError,
@@ -107,11 +109,159 @@ class _Holder:
     backward has consumed it. Everything goes when the autograd node that saved the holder is freed.
     """
 
-    __slots__ = ("__weakref__", "nbytes", "values")
+    __slots__ = ("__weakref__", "nbytes", "pending_recipe", "recipe", "values")
 
     def __init__(self, nbytes: int) -> None:
         self.values: dict[Any, torch.Tensor | None] = {}
         self.nbytes = nbytes  # of the tensor it stands for (for the planner)
+        # how a shared recomputation can make the tensor again from other holders' (see _Recipes)
+        self.recipe: _Made | None = None
+        self.pending_recipe: _Made | None = None
+
+    def get(self, key: Any) -> torch.Tensor | None:
+        """The tensor for ``key``; made again from its recipe if it was dropped after an earlier call used it."""
+        x = self.values.get(key)
+        if x is _DROPPED:
+            if self.recipe is None:  # unreachable: only holders with a recipe drop their tensor
+                raise CheckpointError("gradroute.checkpoint: a dropped saved tensor has no recipe (internal error)")
+            with _no_autocast():  # the ops were recorded below autocast, on tensors it had already cast
+                return self.recipe.make(key)
+        return x
+
+    make = get  # what a _Made calls on its arguments
+
+
+#: a holder's value once an engine call has used it and it can be made again (its recipe) for the next one
+_DROPPED: Any = object()
+
+
+class _Recipes(TorchDispatchMode):
+    """During a shared recomputation: which saved tensors cheap ops make from other saved tensors.
+
+    Several engine calls go through a shared segment, and the first one must keep every recomputed tensor
+    for the next. A tensor that pointwise ops and views made from other saved tensors (SiLU of a norm's
+    output before a convolution, GELU and the gated product in a feed-forward, flattened for the next linear)
+    is cheap to make again: its holder keeps the ops instead (a :class:`_Made`), and the tensor is dropped as
+    soon as each call has used it, as a plain backward would drop it. What the first call then keeps beyond a
+    plain backward is what matrix products, convolutions, norms and attention made. Random ops and in-place
+    ops are not recipes, nor is a tensor modified in place after it was made. Tensors are matched by their
+    data (storage, offset, shape, strides, dtype), not by object: autograd hands views on as new objects.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[tuple[Any, ...], tuple[Any, Any, Any, _Arg]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if type(out) is torch.Tensor and _cheap(func) and not any(map(_tensor_list, args)):
+            data = _data(out)
+            known = self.made.get(data)
+            if known is None or known[3].ref.expired():  # else a view of the same data (detach): keep the first
+                # weak: the forward's temporaries still go (0-d ones, Python numbers the op wrapped, are kept)
+                args, kwargs = _flat_map(_arg, args, kwargs)
+                self.made[data] = (func, args, kwargs, _Arg(out))
+        return out
+
+    def recipe(self, x: torch.Tensor, packed: dict[tuple[Any, ...], _Holder]) -> Any:
+        """How to make ``x`` again from the holders in ``packed`` (a :class:`_Made`), and the (holder, version)
+        pairs to check at the end of the recomputation (``None``: ``x``'s own holder); or None."""
+        entry = self.made.get(_data(x))
+        if entry is None or entry[3].ref.expired():  # none, or a freed tensor's whose storage was reused
+            return None
+        versions: list[tuple[_Holder | None, int]] = [(None, entry[3].version)]
+        made = self._build(entry, packed, versions, 0)
+        return None if made is None else (made, versions)
+
+    def _build(self, entry: Any, packed: Any, versions: Any, depth: int) -> _Made | None:
+        func, args, kwargs, _ = entry
+        ok = True
+
+        def resolve(a: Any) -> Any:
+            nonlocal ok
+            if not isinstance(a, _Arg) or not ok:
+                return a
+            if a.ref.expired():
+                ok = False
+                return None
+            h = packed.get(a.data)
+            if h is not None:
+                versions.append((h, a.version))
+                return h
+            inner = self.made.get(a.data)  # made by cheap ops from saved tensors, itself not saved
+            if depth < _DEPTH and inner is not None and inner[3].version == a.version:
+                got = self._build(inner, packed, versions, depth + 1)
+                if got is not None:
+                    return got
+            ok = False
+            return None
+
+        args, kwargs = _flat_map(resolve, args, kwargs)
+        return _Made(func, args, kwargs) if ok else None
+
+
+_DEPTH = 4  # cheap ops in a row a recipe may chain
+_no_autocast: Callable[[], Any] = getattr(torch._C, "_DisableAutocast", contextlib.nullcontext)
+
+
+def _cheap(func: Any) -> bool:
+    """A functional pointwise op (not random) or a view op: cheap to run again on the same inputs."""
+    schema = func._schema
+    if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags or func is torch.ops.aten.detach.default:
+        return False  # (detach: the pack hooks' own)
+    return torch.Tag.pointwise in func.tags or (len(schema.returns) == 1 and schema.returns[0].alias_info is not None)
+
+
+class _Made:
+    """An op to run again on the tensors of holders (or of other ``_Made``) for one routed backward."""
+
+    __slots__ = ("args", "func", "kwargs")
+
+    def __init__(self, func: Any, args: Any, kwargs: Any) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+
+    def make(self, key: Any) -> torch.Tensor:
+        args, kwargs = _flat_map(
+            lambda a: a.make(key) if isinstance(a, (_Made, _Holder)) else a, self.args, self.kwargs
+        )
+        return self.func(*args, **kwargs)
+
+
+def _tensor_list(a: Any) -> bool:
+    return isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a)
+
+
+def _flat_map(fn: Callable[[Any], Any], args: Any, kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``fn`` on each argument (pointwise and view ops take their tensors as arguments, not in lists)."""
+    return tuple(fn(a) for a in args), {k: fn(v) for k, v in kwargs.items()}
+
+
+def _data(t: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies a tensor's data while its storage lives (views are new objects at every level)."""
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class _Arg:
+    """A tensor a pointwise op took or made, weakly: its data, its storage, its version at the time."""
+
+    __slots__ = ("data", "ref", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.data = _data(t)
+        self.ref = StorageWeakRef(t.untyped_storage())
+        self.version = t._version
+
+
+def _arg(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and (a.dim() > 0 or a.requires_grad):
+        return _Arg(a)
+    return a  # not a tensor, or a 0-d one outside autograd: a Python number the op wrapped
+
+
+def _version(h: _Holder, key: Any) -> int | None:
+    x = h.values.get(key)
+    return x._version if isinstance(x, torch.Tensor) else None
 
 
 class _Stop(Exception):
@@ -156,12 +306,22 @@ class _Frame:
                 args[pos] = t
         return args
 
-    def recompute(self, key: Any) -> None:
+    def recompute(self, key: Any, shared: bool = False) -> None:
+        """Recompute the segment's saved tensors for ``key``; ``shared``: for several engine calls (recipes)."""
         self.counter[key] = 0
-        with _RecomputeHooks(self, key), torch.enable_grad(), contextlib.suppress(_Stop):
-            self.replay(*self.inputs())
+        hooks = _RecomputeHooks(self, key, _Recipes() if shared else None)
+        with hooks, torch.enable_grad(), contextlib.suppress(_Stop):
+            if hooks.recipes is None:
+                self.replay(*self.inputs())
+            else:
+                with hooks.recipes:
+                    self.replay(*self.inputs())
         self.done.add(key)
         self._check(key)
+        for h, seen in hooks.pending:  # a recipe holds only if nothing it involves was modified in place since
+            if all(_version(g or h, key) == v for g, v in seen):
+                h.recipe = h.pending_recipe
+            h.pending_recipe = None
 
     def forget(self, key: Any) -> None:
         """Drop everything recomputed for ``key`` (a routed backward that has returned)."""
@@ -198,7 +358,13 @@ class _Frame:
 class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
     """During the recomputation: file each saved tensor into the holder of the same rank."""
 
-    def __init__(self, frame: _Frame, key: Any) -> None:
+    def __init__(self, frame: _Frame, key: Any, recipes: _Recipes | None) -> None:
+        self.recipes = recipes
+        # Weak references only: the recomputed graph's nodes hold this pack hook, and a tensor of that graph
+        # held here would close a cycle through C++ that the cycle collector cannot see.
+        self.pending = pending = list[tuple[_Holder, list[tuple[_Holder | None, int]]]]()
+        packed: dict[tuple[Any, ...], _Holder] = {}
+
         def pack(x: torch.Tensor) -> torch.Tensor:
             x = x.detach() if x.requires_grad else x
             i = frame.counter[key]
@@ -213,6 +379,13 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
             h = frame.holders[i]()
             if h is not None:  # None: the node that saved it is already freed
                 h.values[key] = x
+                h.recipe = None
+                if recipes is not None:
+                    got = recipes.recipe(x, packed)
+                    if got is not None:
+                        h.pending_recipe, seen = got
+                        pending.append((h, seen))
+                    packed[_data(x)] = h
             if frame.early_stop and i + 1 == len(frame.holders):
                 raise _Stop
             return x
@@ -276,14 +449,14 @@ class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
                     session.on_exit.append(forget)
                     torch.autograd.Variable._execution_engine.queue_callback(forget)
             elif key not in frame.done:
-                frame.recompute(key)
+                frame.recompute(key, shared=routed)
                 if routed:
                     key.on_exit.append(_forgetter(frame, key))
             if key not in h.values:
                 raise CheckpointError(
                     "gradroute.checkpoint: a saved tensor was not recomputed (internal error, please report)"
                 )
-            x = h.values[key]
+            x = h.get(key)
             if x is None:
                 raise CheckpointError(
                     "gradroute.checkpoint: a saved tensor was unpacked twice in one backward; if you read "
@@ -291,6 +464,8 @@ class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
                 )
             if not routed:  # like torch: a plain backward uses each recomputed tensor once
                 h.values[key] = None
+            elif h.recipe is not None:  # made again for the next engine call that needs it
+                h.values[key] = _DROPPED
             return x
 
         super().__init__(pack, unpack)

@@ -7,13 +7,17 @@ own storages are not counted (a weight's transpose is a view of it); gradients a
     python benchmarks/trace_memory.py                      # sd-tiny with checkpointing, gradroute.checkpoint
     python benchmarks/trace_memory.py --chunk 40           # the planner's chunk size (``_plan._CHUNK``)
     python benchmarks/trace_memory.py --no-checkpointing
-    python benchmarks/trace_memory.py --workload sd15 --device meta --batch-size 32 --kind gradroute,blocks
+    python benchmarks/trace_memory.py --workload sd15 --device meta --batch-size 32 --kind gradroute,cuts,blocks
 
 On the ``meta`` device nothing is computed, only shapes: the full SD-1.5 architecture at a GPU's batch traces
 in seconds. Attention then goes through the fused kernel a GPU would take (``F.scaled_dot_product_attention``
 is pointed at aten's flash kernel, or the memory-efficient one where there is a mask), so no attention matrix
 is materialised; everything is fp32 (no autocast on ``meta``), which doubles the activations against a bf16
 run while the gradients stay fp32, so the routed/summed ratio is, if anything, pessimistic.
+
+Each line also gives the step's arithmetic (``torch.utils.flop_counter``: matrix products, convolutions and
+attention, forward, recomputations and backward) against the first kind's: what a GPU-bound batch's time
+ratio approaches, not a measurement of time.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 import gradroute
 from gradroute import _plan, _workloads
@@ -84,10 +89,10 @@ def fused_attention(on: bool) -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
-def trace(wl: _workloads.Workload, kind: str) -> tuple[float, float, str, int]:
-    """(bytes alive after the forward, peak, where, engine calls) in MiB, of the second of two steps.
+def trace(wl: _workloads.Workload, kind: str) -> tuple[float, float, str, int, int]:
+    """(bytes alive after the forward, peak, where, engine calls, FLOPs), bytes in MiB, of the second of two steps.
 
-    ``kind``: the checkpoint (``gradroute``, ``blocks``, ``torch``; ignored without checkpointing) of a routed
+    ``kind``: the checkpoint (``gradroute``, ``cuts``, ``blocks``, ``torch``; ignored without checkpointing) of a routed
     step, or with a ``sum:`` prefix of one backward of the summed losses (``sum`` alone: ``sum:torch``).
     """
     routed = not kind.startswith("sum")
@@ -95,20 +100,25 @@ def trace(wl: _workloads.Workload, kind: str) -> tuple[float, float, str, int]:
         wl.set_checkpoint(kind.partition(":")[2] or "torch" if not routed else kind)
     params = {p.untyped_storage()._cdata for m in wl.groups.values() for p in m.parameters()}
     router = gradroute.Router(**wl.groups)
-    calls = 0
-    for _ in range(2):
-        with LiveBytes(params) as mode:
-            _, losses = wl.forward()
-            after_forward = mode.now
-            if routed:
-                calls = len(router.plan(**losses).calls)
-                router.backward(**losses)
-            else:
-                (losses[wl.up_name] + losses[wl.down_name]).backward()
-            del losses
+
+    def step(live: LiveBytes | None = None) -> int:
+        _, losses = wl.forward()
+        after_forward = live.now if live is not None else 0
+        if routed:
+            router.backward(**losses)
+        else:
+            (losses[wl.up_name] + losses[wl.down_name]).backward()
         for module in wl.groups.values():
             module.zero_grad(set_to_none=True)
-    return after_forward / 2**20, mode.peak / 2**20, mode.at, calls
+        return after_forward
+
+    calls = len(router.plan(**wl.forward()[1]).calls) if routed else 0
+    with FlopCounterMode(display=False) as flops:  # a step of its own: the counter changes what stays alive
+        step()
+    for _ in range(2):
+        with LiveBytes(params) as mode:
+            after_forward = step(mode)
+    return after_forward / 2**20, mode.peak / 2**20, mode.at, calls, flops.get_total_flops()
 
 
 def main() -> None:
@@ -121,8 +131,8 @@ def main() -> None:
     p.add_argument(
         "--kind",
         default="gradroute",
-        help="comma-separated: a routed step's checkpoint (gradroute, blocks, torch) or sum:<checkpoint>; the first "
-        "is the reference (sum:torch is put first unless a sum: comes first)",
+        help="comma-separated: a routed step's checkpoint (gradroute, cuts, blocks, torch) or sum:<checkpoint>; the "
+        "first is the reference (sum:torch is put first unless a sum: comes first)",
     )
     p.add_argument("--chunk", type=int, default=None, help=f"nodes per chunk (default {_plan._CHUNK})")
     args = p.parse_args()
@@ -140,14 +150,17 @@ def main() -> None:
     with fused_attention(args.device == "meta"):
         kinds = args.kind.split(",") if ckpt else ["gradroute"]
         kinds = kinds if kinds[0].startswith("sum") else ["sum", *kinds]
-        floor = None
+        floor = work = None
         for kind in kinds:
-            fwd, peak, at, calls = trace(wl, kind)
-            floor = peak if floor is None else floor
+            fwd, peak, at, calls, flops = trace(wl, kind)
+            floor, work = floor or peak, work or flops
             name = kind if kind.startswith("sum") else f"gradroute ({kind if ckpt else 'no checkpointing'})"
             extra = "" if kind.startswith("sum") else f", {calls} engine calls"
             ratio = f"{peak / floor:.3f}x {kinds[0]}"
-            print(f"{name}: {fwd:.2f} MiB after the forward, peak {peak:.2f} MiB ({ratio}) at {at}{extra}")
+            arithmetic = f"{flops / 1e12:.2f} TFLOP ({flops / work:.3f}x)"
+            print(
+                f"{name}: {fwd:.2f} MiB after the forward, peak {peak:.2f} MiB ({ratio}) at {at}{extra}; {arithmetic}"
+            )
 
 
 if __name__ == "__main__":

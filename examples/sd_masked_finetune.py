@@ -21,11 +21,12 @@ Optimizers: two AdamW with the seed's settings (text encoder lr 1e-7, weight dec
 decay 1e-2; betas (0.9, 0.99), eps 1e-7) and a warmup-then-power schedule per optimizer. Mixed precision:
 ``--mixed-precision fp16`` (autocast + one GradScaler shared by both optimizers, one update per step) or
 ``bf16`` (autocast, no scaler). ``--gradient-checkpointing [gradroute|blocks|torch]``: ``gradroute`` (the
-default when the flag has no value) points both libraries' own switches at ``gradroute.checkpoint``: peak
-memory at the floor (the router recomputes diffusers' per-layer segments once per pass there, as torch would,
-because its skip connections do not let the passes interleave); ``blocks`` checkpoints whole UNet blocks with
-``gradroute.checkpoint_modules`` instead (one shared recomputation per step, but a block is more to hold than
-a layer: at 512 px about 1.5× the peak); ``torch`` uses the switches as they are;
+default when the flag has no value) points both libraries' own switches at ``gradroute.checkpoint`` and marks
+the UNet blocks' layers as ``gradroute.cut_points``: each segment recomputed once per step, shared by both
+passes, peak memory within 3% of one backward of the summed losses (SD-1.5 at 512 px, traced);
+``blocks`` checkpoints whole UNet blocks with ``gradroute.checkpoint_modules`` instead (one shared
+recomputation too, but a block is more to hold than a layer: at 512 px about 1.5× the peak); ``torch`` uses
+the switches as they are (each segment recomputed by each pass);
 ``--lora-rank R`` trains LoRA adapters (peft) on both models instead of all weights. The trained models are
 written with ``save_pretrained`` to ``--output-dir`` in the same layout (LoRA adapters are merged there, and
 also saved on their own under ``lora/``).
@@ -211,6 +212,11 @@ def load_models(
             tenc._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=gradroute.checkpoint)
         if gradient_checkpointing == "gradroute":
             unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)
+            # the consumers of each block layer's output get views of their own: the router can cut there, so
+            # its passes interleave layer by layer and share one recomputation of every segment
+            blocks, layers = [*unet.down_blocks, unet.mid_block, *unet.up_blocks], ("resnets", "attentions")
+            layers += ("downsamplers", "upsamplers")
+            gradroute.cut_points(unet.conv_in, *(m for b in blocks for n in layers for m in getattr(b, n, None) or []))
         elif gradient_checkpointing == "blocks":
             gradroute.checkpoint_modules(*unet.down_blocks, unet.mid_block, *unet.up_blocks)
     tenc.train()
@@ -369,8 +375,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         const="gradroute",
         default=None,
         choices=CHECKPOINTING,
-        help="gradroute (default): the libraries' own switches pointed at gradroute.checkpoint; blocks: whole UNet "
-        "blocks under gradroute.checkpoint; torch: the switches as they are",
+        help="gradroute (default): the libraries' own switches pointed at gradroute.checkpoint, the UNet blocks' "
+        "layers as cut points; blocks: whole UNet blocks under gradroute.checkpoint; torch: the switches as they are",
     )
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full weights)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -856,3 +856,32 @@ def test_shared_recomputation_drops_what_pointwise_ops_make_and_makes_it_again(s
     for p, g in zip(groups["unet"] + groups["tenc"], [*second, *tenc_grads], strict=True):
         p.grad = g
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
+
+
+def test_shared_recomputation_under_autocast_makes_the_same_tensors_again() -> None:
+    # the recipes record the ops after autocast's casts (bf16 here) and run them again outside autocast, even
+    # when the routed backward itself is called under autocast: the gradients are those of torch's checkpoint
+    tenc, unet = nn.Linear(D, D), nn.ModuleList(_GatedFF(D) for _ in range(2))
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+
+    def forward(ck: CK) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(5)
+        x, target = torch.randn(3, 4, D, generator=g), torch.randn(3, 4, D, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = tenc(x)
+            for m in unet:
+                h = ck(m, h)
+        loss = (h.float() - target) ** 2
+        return {"tenc": loss.mean(), "unet": loss[:, :2].mean()}
+
+    router = gradroute.Router(**groups)
+    expected = router.grads(**forward(torch_ck))
+    for m in unet:
+        m.made.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router.grads(**forward(gradroute.checkpoint))
+    prods = [s for m in unet for k, s in m.made if k == "prod"]
+    assert len(prods) == 2 and all(s.expired() for s in prods)  # made again, not kept
+    for name in groups:
+        for a, b in zip(got[name], expected[name], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

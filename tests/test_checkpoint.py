@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointError
 
 import gradroute
-from gradroute import _session
+from gradroute import _checkpoint, _session
 from gradroute._checkpoint import checkpoint_kind
 
 from ._reference import assert_grads_match, reference_grads
@@ -830,6 +830,12 @@ def _gated(scale_in_place: bool) -> tuple[nn.Module, nn.Module, Callable[[], dic
     return tenc, unet, forward
 
 
+@pytest.fixture
+def recipes_for_small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_checkpoint, "_RECIPES_MIN_BYTES", 0)
+
+
+@pytest.mark.usefixtures("recipes_for_small_segments")
 @pytest.mark.parametrize("scale_in_place", [False, True])
 def test_shared_recomputation_drops_what_pointwise_ops_make_and_makes_it_again(scale_in_place: bool) -> None:
     # two engine calls through the same segments: the GELU and the gated product (pointwise ops and a view of
@@ -858,6 +864,7 @@ def test_shared_recomputation_drops_what_pointwise_ops_make_and_makes_it_again(s
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.usefixtures("recipes_for_small_segments")
 def test_shared_recomputation_under_autocast_makes_the_same_tensors_again() -> None:
     # the recipes record the ops after autocast's casts (bf16 here) and run them again outside autocast, even
     # when the routed backward itself is called under autocast: the gradients are those of torch's checkpoint
@@ -885,3 +892,23 @@ def test_shared_recomputation_under_autocast_makes_the_same_tensors_again() -> N
     for name in groups:
         for a, b in zip(got[name], expected[name], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("min_bytes", [0, 10**9])
+def test_small_segments_keep_their_recomputation_between_calls(min_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # recipes cost host time on every op of the recomputation: segments saving less than the threshold keep
+    # everything between calls, like before; exact either way
+    monkeypatch.setattr(_checkpoint, "_RECIPES_MIN_BYTES", min_bytes)
+    tenc, unet, forward = _gated(False)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(forward, groups)
+    ls = forward()
+    for m in unet:
+        m.made.clear()
+    with _session.routed_backward():
+        torch.autograd.grad(ls["unet"], groups["unet"], retain_graph=True)
+        prods = [s for m in unet for k, s in m.made if k == "prod"]
+        assert len(prods) == 2 and [s.expired() for s in prods] == [min_bytes == 0] * 2
+    router = gradroute.Router(**groups)
+    router.backward(**forward())
+    assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradroute
-from gradroute import _plan
+from gradroute import _checkpoint, _plan
 from tests._reference import assert_grads_match, reference_grads
 
 D = torch.float64
@@ -68,6 +68,8 @@ def checkpointed_cases(draw):
     case["ckpt"] = tuple(spans)
     # nodes per interleaved chunk of a shared segment (None: the planner's default)
     case["chunk"] = draw(st.sampled_from([None, 1, 2, 3]))
+    # what pointwise ops and views make is dropped between calls and made again (these segments are small)
+    case["recipes"] = draw(st.booleans())
     return case
 
 
@@ -148,16 +150,13 @@ def _build(case):
 
 
 def _check(case):
-    chunk = case.get("chunk")
-    if chunk is None:
-        _check_exact(case)
-        return
-    default = _plan._CHUNK
-    _plan._CHUNK = chunk
+    defaults = _plan._CHUNK, _checkpoint._RECIPES_MIN_BYTES
+    _plan._CHUNK = case.get("chunk") or _plan._CHUNK
+    _checkpoint._RECIPES_MIN_BYTES = 0 if case.get("recipes") else _checkpoint._RECIPES_MIN_BYTES
     try:
         _check_exact(case)
     finally:
-        _plan._CHUNK = default
+        _plan._CHUNK, _checkpoint._RECIPES_MIN_BYTES = defaults
 
 
 def _check_exact(case):

@@ -151,8 +151,9 @@ class _Recipes(TorchDispatchMode):
     plain backward is what matrix products, convolutions, norms and attention made. Random ops and in-place
     ops are not recipes, nor is a tensor modified in place after it was made. Tensors are matched by their
     data (storage, offset, shape, strides, dtype), not by object: autograd hands views on as new objects.
-    The price is a Python dispatch mode during shared recomputations only (SD-1.5 on this project's CPU,
-    shapes only: 0.09 s more host time in a 1.2 s routed backward) and the cheap ops run once more per call.
+    The price is a Python dispatch mode during shared recomputations (SD-1.5 on this project's CPU, shapes
+    only: 0.09 s more host time in a 1.2 s routed backward) and the cheap ops run once more per call; so only
+    segments that save ``_RECIPES_MIN_BYTES`` or more get recipes (sd-tiny's do not: +7% step time, no gain).
     """
 
     def __init__(self) -> None:
@@ -209,9 +210,13 @@ class _Recipes(TorchDispatchMode):
 
 
 _DEPTH = 4  # cheap ops in a row a recipe may chain
+#: Segments that save less are recomputed without recipes: the dispatch mode costs host time on every op
+#: (about 15 µs on this project's CPU), which a small segment's memory does not repay.
+_RECIPES_MIN_BYTES = 16 * 2**20
 _no_autocast: Callable[[], Any] = getattr(torch._C, "_DisableAutocast", contextlib.nullcontext)
 
 
+@functools.cache
 def _cheap(func: Any) -> bool:
     """A functional pointwise op (not random) or a view op: cheap to run again on the same inputs."""
     schema = func._schema
@@ -305,6 +310,7 @@ class _Frame:
         self.done: set[Any] = set()
         self.forward_done = False
         self.ignore_mismatch = False
+        self.saved_bytes = 0  # what the segment's nodes saved in the forward
 
     def inputs(self) -> list[Any]:
         args = list(self.args)
@@ -438,6 +444,7 @@ class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, frame: _Frame) -> None:
         def pack(x: torch.Tensor) -> _Holder:
             h = _Holder(x.numel() * x.element_size())
+            frame.saved_bytes += h.nbytes
             frame.holders.append(weakref.ref(h))
             if frame.meta:
                 frame.metas.append((x.shape, x.dtype, x.device))
@@ -456,7 +463,7 @@ class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
                     session.on_exit.append(forget)
                     torch.autograd.Variable._execution_engine.queue_callback(forget)
             elif key not in frame.done:
-                frame.recompute(key, shared=routed)
+                frame.recompute(key, shared=routed and frame.saved_bytes >= _RECIPES_MIN_BYTES)
                 if routed:
                     key.on_exit.append(_forgetter(frame, key))
             if key not in h.values:

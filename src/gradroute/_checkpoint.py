@@ -144,8 +144,9 @@ class _Recipes(TorchDispatchMode):
     """During a shared recomputation: which saved tensors cheap ops make from other saved tensors.
 
     Several engine calls go through a shared segment, and the first one must keep every recomputed tensor
-    for the next. A tensor that pointwise ops and views made from other saved tensors (SiLU of a norm's
-    output before a convolution, GELU and the gated product in a feed-forward, flattened for the next linear)
+    for the next. A tensor that pointwise ops, dtype casts and views made from other saved tensors (SiLU of a
+    norm's output cast by autocast for a convolution, GELU and the gated product in a feed-forward, flattened
+    for the next linear)
     is cheap to make again: its holder keeps the ops instead (a :class:`_Made`), and the tensor is dropped as
     soon as each call has used it, as a plain backward would drop it. What the first call then keeps beyond a
     plain backward is what matrix products, convolutions, norms and attention made. Random ops and in-place
@@ -164,7 +165,12 @@ class _Recipes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if type(out) is torch.Tensor and _cheap(func) and not any(map(_tensor_list, args)):
+        if (
+            type(out) is torch.Tensor
+            and _cheap(func)
+            and not any(map(_tensor_list, args))
+            and (func is not _TO_COPY or args[0].device == out.device)  # a cast, not a transfer
+        ):
             data = _data(out)
             known = self.made.get(data)
             if known is None or known[3].ref.expired():  # else a view of the same data (detach): keep the first
@@ -217,13 +223,18 @@ _RECIPES_MIN_BYTES = 16 * 2**20
 _no_autocast: Callable[[], Any] = getattr(torch._C, "_DisableAutocast", contextlib.nullcontext)
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
 @functools.cache
 def _cheap(func: Any) -> bool:
-    """A functional pointwise op (not random) or a view op: cheap to run again on the same inputs."""
+    """A functional pointwise op (not random), a dtype cast (autocast's) or a view op: cheap to run again."""
     schema = func._schema
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags or func is torch.ops.aten.detach.default:
         return False  # (detach: the pack hooks' own)
-    return torch.Tag.pointwise in func.tags or (len(schema.returns) == 1 and schema.returns[0].alias_info is not None)
+    if func is _TO_COPY or torch.Tag.pointwise in func.tags:
+        return True
+    return len(schema.returns) == 1 and schema.returns[0].alias_info is not None
 
 
 class _Made:

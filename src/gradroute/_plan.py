@@ -611,9 +611,10 @@ def _schedule(
     """Interleave the passes' stages: downstream work first, as a plain backward would order it.
 
     Constraints: a pass's stages run in order, and a retaining call through a node runs before the call that
-    frees it. Among the calls that may run, the one starting at the most recently created node (highest
-    autograd sequence number) goes first: e.g. the text encoder's deferred part runs after the UNet pass,
-    so the UNet's activations are freed before the text encoder's weight gradients are allocated.
+    frees it. Among the calls that may run, the one reaching the most recently created node that holds
+    something (highest autograd sequence number) goes first: e.g. the text encoder's deferred part runs after
+    the UNet pass, so the UNet's activations are freed before the text encoder's weight gradients are
+    allocated, even where autocast's casts of the text encoder's output, made inside the UNet, start it.
     """
     stages: list[Stage] = []
     members: list[list[int]] = []
@@ -648,9 +649,12 @@ def _schedule(
             return -1
 
     key = []
-    for st in stages:
+    for sid, st in enumerate(stages):
+        # the most recent node among those that hold something; stateless ones (views, adds, autocast's casts
+        # of a tensor consumed downstream) run wherever convenient and say nothing about where a call is
+        held = [seq(i) for i in members[sid] if not stateless(g.nodes[i])]
         starts = [g.index[root_edges[r][t].node] for r, t in st.losses] + [j for j, _ in st.cuts_in]
-        key.append(max((seq(i) for i in starts), default=-1))
+        key.append(max(held) if held else max((seq(i) for i in starts), default=-1))
     done: set[int] = set()
     order: list[int] = []
     while len(order) < n:

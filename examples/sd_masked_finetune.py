@@ -23,7 +23,7 @@ decay 1e-2; betas (0.9, 0.99), eps 1e-7) and a warmup-then-power schedule per op
 ``bf16`` (autocast, no scaler). ``--gradient-checkpointing [gradroute|blocks|torch]``: ``gradroute`` (the
 default when the flag has no value) points both libraries' own switches at ``gradroute.checkpoint`` and marks
 the UNet blocks' layers as ``gradroute.cut_points``: each segment recomputed once per step, shared by both
-passes, peak memory within 3% of one backward of the summed losses (SD-1.5 at 512 px, traced);
+passes, peak memory within 2% of one backward of the summed losses (SD-1.5 at 512 px, traced);
 ``blocks`` checkpoints whole UNet blocks with ``gradroute.checkpoint_modules`` instead (one shared
 recomputation too, but a block is more to hold than a layer: at 512 px about 1.5× the peak); ``torch`` uses
 the switches as they are (each segment recomputed by each pass);

@@ -25,7 +25,7 @@ made from other saved tensors (a SiLU before a convolution, the GELU and gated p
 is dropped as soon as a call has used it and made again from those for the next (:class:`_Recipes`). What
 stays above a plain backward's peak is then what matrix products, convolutions, norms and attention made in
 one chunk, and the second cotangent: at every cut, both passes' gradients are alive (SD-1.5 at 512 px with
-cut points, traced: 1.02-1.03×; sd-tiny: 1.09×).
+cut points, traced: 1.01-1.02×; sd-tiny: 1.09×).
 
 A tensor that plain, un-checkpointed code hands to ops on both sides of a segment still has one node for
 both; the planner then has to put the segments in between into one call. diffusers' ``UNet2DConditionModel``
@@ -37,7 +37,7 @@ at once, against the largest segment's) and then plans as for torch's checkpoint
 each segment recomputed once per engine call and every recomputed tensor dropped once used (1.01× there,
 torch's own checkpoint routed: 1.06×), at torch's cost in time (a second recomputation). The plan says so in
 a note. :func:`cut_points` on the UNet blocks' submodules gives the consumers of their outputs views of their
-own: the passes then interleave layer by layer and share one recomputation (1.02-1.03×).
+own: the passes then interleave layer by layer and share one recomputation (1.01-1.02×).
 :func:`checkpoint_modules` on whole blocks (``*unet.down_blocks, unet.mid_block, *unet.up_blocks``) makes
 the block outputs segment outputs: the calls interleave too and each block is recomputed once (a block is
 more to hold than a layer).

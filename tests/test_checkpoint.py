@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -912,3 +912,52 @@ def test_small_segments_keep_their_recomputation_between_calls(min_bytes: int, m
     router = gradroute.Router(**groups)
     router.backward(**forward())
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
+
+
+class _Two(nn.Module):
+    def __init__(self, inner: nn.Module | None = None) -> None:
+        super().__init__()
+        self.a, self.b = inner if inner is not None else _GatedFF(D), _GatedFF(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(gradroute.checkpoint(self.a, x))
+
+
+def _compile(m: nn.Module) -> Any:
+    return torch.compile(m, backend="aot_eager", dynamic=False)
+
+
+@pytest.fixture
+def no_donated_buffers() -> Iterator[None]:
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(donated_buffer=False):  # routed calls retain (examples/README.md)
+        yield
+
+
+@pytest.mark.usefixtures("recipes_for_small_segments", "no_donated_buffers")
+@pytest.mark.parametrize("where", ["whole model", "segment", "inside a segment"])
+def test_torch_compile_with_segments_routes_exactly(where: str) -> None:
+    # torch.compile around the model (it traces torch's checkpoint instead), a compiled module as the
+    # segment (plain tensors in, no recipes), a compiled module inside a segment (no recipes): all exact
+    torch._dynamo.reset()
+    tenc = nn.Linear(D, D).double()
+    unet = _Two(_compile(_GatedFF(D)) if where == "inside a segment" else None).double()
+    run = _compile(unet) if where == "whole model" else unet
+    if where == "segment":
+        unet.a = _compile(unet.a)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+
+    def forward(model: Any) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(5)
+        x, target = torch.randn(3, 4, D, generator=g, dtype=torch.float64), torch.randn(3, 4, D, generator=g)
+        loss = (model(tenc(x)) - target.double()) ** 2
+        return {"tenc": loss.mean(), "unet": loss[:, :2].mean()}
+
+    expected = reference_grads(lambda: forward(run), groups)
+    router = gradroute.Router(**groups)
+    for _ in range(2):  # the second step runs the cached compiled code
+        got = router.grads(**forward(run))
+        for name, params in groups.items():
+            for p, gr in zip(params, got[name], strict=True):
+                torch.testing.assert_close(gr, expected[id(p)], rtol=1e-9, atol=1e-12)

@@ -323,6 +323,7 @@ class _Frame:
         self.forward_done = False
         self.ignore_mismatch = False
         self.saved_bytes = 0  # what the segment's nodes saved in the forward
+        self.compiled = False  # runs torch.compile'd code: no recipes (their dispatch mode would recompile it)
 
     def inputs(self) -> list[Any]:
         args = list(self.args)
@@ -475,7 +476,8 @@ class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
                     session.on_exit.append(forget)
                     torch.autograd.Variable._execution_engine.queue_callback(forget)
             elif key not in frame.done:
-                frame.recompute(key, shared=routed and frame.saved_bytes >= _RECIPES_MIN_BYTES)
+                recipes = routed and not frame.compiled and frame.saved_bytes >= _RECIPES_MIN_BYTES
+                frame.recompute(key, shared=recipes)
                 if routed:
                     key.on_exit.append(_forgetter(frame, key))
             if key not in h.values:
@@ -518,6 +520,12 @@ def checkpoint(
     that a recomputation is freed as the passes go down the segment (see the module notes on memory). The
     tensors it takes and returns hand every op that consumes them a view of their own (for the planner's
     cuts).
+
+    With ``torch.compile``: traced inside a compiled model, it is ``torch.utils.checkpoint.checkpoint``
+    (which the compiler knows; each engine call then recomputes, as with torch's). A compiled module or
+    function as ``fn`` (or one inside it) works: it gets plain tensors, and is recomputed once per routed
+    backward but without recipes. Routed calls retain graphs, so compiled backwards need
+    ``torch._functorch.config.donated_buffer = False`` (see examples/README.md).
 
     Args:
         fn: the segment to checkpoint.
@@ -562,6 +570,11 @@ def checkpoint(
         raise ValueError(f"`determinism_check` must be one of {list(_DETERMINISM)}, got {determinism_check!r}")
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():  # traced by torch.compile: torch's checkpoint, which it knows how to trace
+        options: dict[str, Any] = {} if context_fn is noop_context_fn else {"context_fn": context_fn}
+        return torch.utils.checkpoint.checkpoint(
+            fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs
+        )
 
     device_type = _infer_device_type(*args)
     device_module = _get_device_module(device_type)
@@ -595,8 +608,11 @@ def checkpoint(
     # own (a view per consuming op of each input and of each output, see _SegmentTensor), so that the
     # gradient crossing one edge can be cut apart from the others flowing into the same tensor.
     start = _get_sequence_nr()
-    args, kwargs = tree_map(_consumer_views, (args, kwargs))
+    # a compiled function cannot take the views' subclass (and is one autograd node: one edge per input anyway)
+    compiled = _compiled(fn)
+    args, kwargs = tree_map(_plain if compiled else _consumer_views, (args, kwargs))
     frame = _Frame(replay, early_stop, determinism_check == "default")
+    frame.compiled = compiled or _runs_compiled(fn)
     frame.args = list(args)
     tensors = []
     for pos, a in enumerate(args):
@@ -753,9 +769,39 @@ def _own_view(x: Any) -> Any:
     return x.view_as(x) if isinstance(x, _SegmentTensor) else x
 
 
+def _compiled(fn: Any) -> bool:
+    """Whether ``fn`` runs code compiled by ``torch.compile`` (a compiled module or function, or a module whose
+    ``compile()`` was called), looking through ``functools.partial`` and bound methods."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__self__", fn)
+    return (
+        hasattr(fn, "_torchdynamo_orig_callable")
+        or isinstance(fn, torch._dynamo.eval_frame.OptimizedModule)
+        or getattr(fn, "_compiled_call_impl", None) is not None
+    )
+
+
+def _runs_compiled(fn: Any) -> bool:
+    """Whether ``fn`` is a module (or a module's method) with a compiled submodule."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__self__", fn)
+    return isinstance(fn, torch.nn.Module) and any(_compiled(m) for m in fn.modules())
+
+
+def _plain(x: Any) -> Any:
+    return x.as_subclass(torch.Tensor) if isinstance(x, _SegmentTensor) else x
+
+
 def _consumer_views(x: Any) -> Any:
     """A segment's input or output, as a :class:`_SegmentTensor` (every consuming op gets a view of its own)."""
-    if isinstance(x, torch.Tensor) and x.requires_grad and type(x) is torch.Tensor:
+    if (
+        isinstance(x, torch.Tensor)
+        and x.requires_grad
+        and type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+    ):
         return x.as_subclass(_SegmentTensor)
     return x
 

@@ -386,8 +386,8 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, frame: _Frame, key: Any, recipes: _Recipes | None) -> None:
         self.recipes = recipes
-        # Weak references only: the recomputed graph's nodes hold this pack hook, and a tensor of that graph
-        # held here would close a cycle through C++ that the cycle collector cannot see.
+        # No tensor of the recomputed graph is held here (only holders, whose values are detached): that graph's
+        # nodes hold this pack hook, and such a tensor would close a cycle through C++ the collector cannot see.
         self.pending = pending = list[tuple[_Holder, list[tuple[_Holder | None, int]]]]()
         packed: dict[tuple[Any, ...], _Holder] = {}
 
@@ -612,7 +612,7 @@ def checkpoint(
     compiled = _compiled(fn)
     args, kwargs = tree_map(_plain if compiled else _consumer_views, (args, kwargs))
     frame = _Frame(replay, early_stop, determinism_check == "default")
-    frame.compiled = compiled or _runs_compiled(fn)
+    frame.compiled = compiled or _compiled(fn, inside=True)
     frame.args = list(args)
     tensors = []
     for pos, a in enumerate(args):
@@ -769,25 +769,20 @@ def _own_view(x: Any) -> Any:
     return x.view_as(x) if isinstance(x, _SegmentTensor) else x
 
 
-def _compiled(fn: Any) -> bool:
-    """Whether ``fn`` runs code compiled by ``torch.compile`` (a compiled module or function, or a module whose
-    ``compile()`` was called), looking through ``functools.partial`` and bound methods."""
+def _compiled(fn: Any, inside: bool = False) -> bool:
+    """Whether ``fn`` is code compiled by ``torch.compile`` (a compiled module or function, or a module whose
+    ``compile()`` was called), looking through ``functools.partial`` and bound methods; ``inside``: or a
+    module with such a submodule."""
     while isinstance(fn, functools.partial):
         fn = fn.func
     fn = getattr(fn, "__self__", fn)
+    if inside and isinstance(fn, torch.nn.Module):
+        return any(_compiled(m) for m in fn.modules())
     return (
         hasattr(fn, "_torchdynamo_orig_callable")
         or isinstance(fn, torch._dynamo.eval_frame.OptimizedModule)
         or getattr(fn, "_compiled_call_impl", None) is not None
     )
-
-
-def _runs_compiled(fn: Any) -> bool:
-    """Whether ``fn`` is a module (or a module's method) with a compiled submodule."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__self__", fn)
-    return isinstance(fn, torch.nn.Module) and any(_compiled(m) for m in fn.modules())
 
 
 def _plain(x: Any) -> Any:

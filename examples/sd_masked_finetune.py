@@ -214,9 +214,10 @@ def load_models(
             unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)
             # the consumers of each block layer's output get views of their own: the router can cut there, so
             # its passes interleave layer by layer and share one recomputation of every segment
-            blocks, layers = [*unet.down_blocks, unet.mid_block, *unet.up_blocks], ("resnets", "attentions")
-            layers += ("downsamplers", "upsamplers")
-            gradroute.cut_points(unet.conv_in, *(m for b in blocks for n in layers for m in getattr(b, n, None) or []))
+            blocks = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
+            names = ("resnets", "attentions", "downsamplers", "upsamplers")
+            layers = [m for b in blocks for n in names for m in getattr(b, n, None) or []]
+            gradroute.cut_points(unet.conv_in, unet.time_embedding, *layers)
         elif gradient_checkpointing == "blocks":
             gradroute.checkpoint_modules(*unet.down_blocks, unet.mid_block, *unet.up_blocks)
     tenc.train()

@@ -830,6 +830,17 @@ def _gated(scale_in_place: bool) -> tuple[nn.Module, nn.Module, Callable[[], dic
     return tenc, unet, forward
 
 
+def _gated_losses(scale_in_place: bool) -> tuple[nn.Module, Callable[[], dict[str, torch.Tensor]], Any, Any, Any]:
+    """The gated model, its groups, the reference gradients and one forward's losses (recomputations unseen)."""
+    tenc, unet, forward = _gated(scale_in_place)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(forward, groups)
+    ls = forward()
+    for m in unet:
+        m.made.clear()
+    return unet, forward, groups, expected, ls
+
+
 @pytest.fixture
 def recipes_for_small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_checkpoint, "_RECIPES_MIN_BYTES", 0)
@@ -841,12 +852,7 @@ def test_shared_recomputation_drops_what_pointwise_ops_make_and_makes_it_again(s
     # two engine calls through the same segments: the GELU and the gated product (pointwise ops and a view of
     # saved tensors) are dropped once the first call has used them and made again for the second; the
     # projection's output (a matrix product) is kept between them. A GELU modified in place has no recipe.
-    tenc, unet, forward = _gated(scale_in_place)
-    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
-    expected = reference_grads(forward, groups)
-    ls = forward()
-    for m in unet:
-        m.made.clear()
+    unet, _, groups, expected, ls = _gated_losses(scale_in_place)
     with _session.routed_backward():
         first = torch.autograd.grad(ls["unet"], groups["unet"], retain_graph=True)
         made = {n: [s for m in unet for k, s in m.made if k == n] for n in ("proj", "gelu", "prod")}
@@ -899,12 +905,7 @@ def test_small_segments_keep_their_recomputation_between_calls(min_bytes: int, m
     # recipes cost host time on every op of the recomputation: segments saving less than the threshold keep
     # everything between calls, like before; exact either way
     monkeypatch.setattr(_checkpoint, "_RECIPES_MIN_BYTES", min_bytes)
-    tenc, unet, forward = _gated(False)
-    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
-    expected = reference_grads(forward, groups)
-    ls = forward()
-    for m in unet:
-        m.made.clear()
+    unet, forward, groups, expected, ls = _gated_losses(False)
     with _session.routed_backward():
         torch.autograd.grad(ls["unet"], groups["unet"], retain_graph=True)
         prods = [s for m in unet for k, s in m.made if k == "prod"]

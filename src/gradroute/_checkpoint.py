@@ -114,14 +114,13 @@ class _Holder:
     backward has consumed it. Everything goes when the autograd node that saved the holder is freed.
     """
 
-    __slots__ = ("__weakref__", "nbytes", "pending_recipe", "recipe", "values")
+    __slots__ = ("__weakref__", "nbytes", "recipe", "values")
 
     def __init__(self, nbytes: int) -> None:
         self.values: dict[Any, torch.Tensor | None] = {}
         self.nbytes = nbytes  # of the tensor it stands for (for the planner)
         # how a shared recomputation can make the tensor again from other holders' (see _Recipes)
         self.recipe: _Made | None = None
-        self.pending_recipe: _Made | None = None
 
     def get(self, key: Any) -> torch.Tensor | None:
         """The tensor for ``key``; made again from its recipe if it was dropped after an earlier call used it."""
@@ -132,8 +131,6 @@ class _Holder:
             with _no_autocast():  # the ops were recorded below autocast, on tensors it had already cast
                 return self.recipe.make(key)
         return x
-
-    make = get  # what a _Made calls on its arguments
 
 
 #: a holder's value once an engine call has used it and it can be made again (its recipe) for the next one
@@ -247,7 +244,9 @@ class _Made:
 
     def make(self, key: Any) -> torch.Tensor:
         args, kwargs = _flat_map(
-            lambda a: a.make(key) if isinstance(a, (_Made, _Holder)) else a, self.args, self.kwargs
+            lambda a: a.get(key) if isinstance(a, _Holder) else a.make(key) if isinstance(a, _Made) else a,
+            self.args,
+            self.kwargs,
         )
         return self.func(*args, **kwargs)
 
@@ -344,10 +343,9 @@ class _Frame:
                     self.replay(*self.inputs())
         self.done.add(key)
         self._check(key)
-        for h, seen in hooks.pending:  # a recipe holds only if nothing it involves was modified in place since
+        for h, made, seen in hooks.pending:  # a recipe holds only if nothing it involves was modified in place
             if all(_version(g or h, key) == v for g, v in seen):
-                h.recipe = h.pending_recipe
-            h.pending_recipe = None
+                h.recipe = made
 
     def forget(self, key: Any) -> None:
         """Drop everything recomputed for ``key`` (a routed backward that has returned)."""
@@ -388,7 +386,7 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
         self.recipes = recipes
         # No tensor of the recomputed graph is held here (only holders, whose values are detached): that graph's
         # nodes hold this pack hook, and such a tensor would close a cycle through C++ the collector cannot see.
-        self.pending = pending = list[tuple[_Holder, list[tuple[_Holder | None, int]]]]()
+        self.pending = pending = list[tuple[_Holder, _Made, list[tuple[_Holder | None, int]]]]()
         packed: dict[tuple[Any, ...], _Holder] = {}
 
         def pack(x: torch.Tensor) -> torch.Tensor:
@@ -409,8 +407,7 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
                 if recipes is not None:
                     got = recipes.recipe(x, packed)
                     if got is not None:
-                        h.pending_recipe, seen = got
-                        pending.append((h, seen))
+                        pending.append((h, *got))
                     packed[_data(x)] = h
             if frame.early_stop and i + 1 == len(frame.holders):
                 raise _Stop

@@ -462,7 +462,7 @@ class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
 
         def unpack(h: _Holder) -> torch.Tensor:
             key, routed = _key()
-            if routed and key.unshared and torch._C._current_autograd_node() in key.unshared:
+            if routed and key.recompute_per_call and torch._C._current_autograd_node() in key.recompute_per_call:
                 # the planner could not interleave the passes through this segment: one recomputation per
                 # engine call, each tensor dropped once used and what is left at the end of the call, like torch
                 session = key

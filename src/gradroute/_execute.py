@@ -91,7 +91,7 @@ def execute(program: Program, *, accumulate: bool) -> list[dict[int, torch.Tenso
     """
     with routed_backward() as session:
         nodes = program.graph.nodes
-        session.unshared = {nodes[i] for i in program.unshared}
+        session.recompute_per_call = {nodes[i] for i in program.unshared}
         return _run(program, accumulate)
 
 

@@ -886,7 +886,7 @@ def _unshared(g: Graph, stage_members: list[list[int]], factor: float) -> tuple[
     ``factor`` times the largest segment's, the segments holding the most there are picked (``factor`` 0:
     every segment that more than one call enters). The planner replans when there are any (``_analyse``);
     the executor recomputes the picked segments once per engine call, each recomputed tensor dropped once its
-    node has used it, as ``torch.utils.checkpoint`` does (``_checkpoint``, ``Session.unshared``).
+    node has used it, as ``torch.utils.checkpoint`` does (``_checkpoint``, ``Session.recompute_per_call``).
 
     Returns:
         The picked segments' nodes, and how many segments they make.

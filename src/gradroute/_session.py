@@ -16,7 +16,7 @@ class Session:
     def __init__(self) -> None:
         self.on_exit: list = []
         # autograd nodes whose gradroute.checkpoint segment is recomputed once per engine call, not shared
-        self.unshared: set = set()
+        self.recompute_per_call: set = set()
 
 
 _current: Session | None = None

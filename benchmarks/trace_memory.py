@@ -5,7 +5,7 @@ every aten op (a ``TorchDispatchMode``), so it says where a peak happens and wha
 own storages are not counted (a weight's transpose is a view of it); gradients are.
 
     python benchmarks/trace_memory.py                      # sd-tiny with checkpointing, gradroute.checkpoint
-    python benchmarks/trace_memory.py --chunk 40           # the planner's chunk size (``_plan._CHUNK``)
+    python benchmarks/trace_memory.py --chunk 40           # the planner's chunk size (``PlanOptions.chunk``)
     python benchmarks/trace_memory.py --no-checkpointing
     python benchmarks/trace_memory.py --workload sd15 --device meta --batch-size 32 --kind gradroute,cuts,blocks
 
@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradroute
-from gradroute import _plan, _workloads
+from gradroute import _workloads
 
 
 class LiveBytes(TorchDispatchMode):
@@ -136,7 +136,10 @@ def fused_attention(on: bool) -> Iterator[None]:
 
 
 def trace(
-    wl: _workloads.Workload, kind: str, autocast: torch.dtype | None = None
+    wl: _workloads.Workload,
+    kind: str,
+    autocast: torch.dtype | None = None,
+    options: gradroute.PlanOptions | None = None,
 ) -> tuple[float, float, str, int, int]:
     """(bytes alive after the forward, peak, where, engine calls, FLOPs), bytes in MiB, of the second of two steps.
 
@@ -147,7 +150,7 @@ def trace(
     if wl.set_checkpoint is not None:
         wl.set_checkpoint(kind.partition(":")[2] or "torch" if not routed else kind)
     params = {p.untyped_storage()._cdata for m in wl.groups.values() for p in m.parameters()}
-    router = gradroute.Router(**wl.groups)
+    router = gradroute.Router(**wl.groups, plan_options=options)
 
     def step(live: LiveBytes | None = None) -> int:
         with emulated_autocast(autocast) if autocast is not None else contextlib.nullcontext():
@@ -186,7 +189,7 @@ def main() -> None:
         help="comma-separated: a routed step's checkpoint (gradroute, cuts, blocks, torch) or sum:<checkpoint>; the "
         "first is the reference (sum:torch is put first unless a sum: comes first)",
     )
-    p.add_argument("--chunk", type=int, default=None, help=f"nodes per chunk (default {_plan._CHUNK})")
+    p.add_argument("--chunk", type=int, default=None, help=f"nodes per chunk (default {gradroute.PlanOptions.chunk})")
     p.add_argument(
         "--autocast",
         choices=("bf16", "fp16"),
@@ -195,8 +198,7 @@ def main() -> None:
     )
     args = p.parse_args()
     torch.set_num_threads(1)
-    if args.chunk is not None:
-        _plan._CHUNK = args.chunk
+    options = gradroute.PlanOptions() if args.chunk is None else gradroute.PlanOptions(chunk=args.chunk)
     ckpt = not args.no_checkpointing
     wl = _workloads.build(
         args.workload,
@@ -211,7 +213,7 @@ def main() -> None:
         floor = work = None
         for kind in kinds:
             low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast or "")
-            fwd, peak, at, calls, flops = trace(wl, kind, low)
+            fwd, peak, at, calls, flops = trace(wl, kind, low, options)
             floor, work = floor or peak, work or flops
             name = kind if kind.startswith("sum") else f"gradroute ({kind if ckpt else 'no checkpointing'})"
             extra = "" if kind.startswith("sum") else f", {calls} engine calls"

@@ -156,14 +156,11 @@ class _Reuses(nn.Module):
 
 
 @pytest.mark.parametrize("chunk", [None, 3])
-def test_segment_ops_see_the_same_tensors_and_route_exactly(chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_segment_ops_see_the_same_tensors_and_route_exactly(chunk: int | None) -> None:
     # a segment that hands one tensor to several ops and to one call three times (nn.MultiheadAttention takes
     # its fused path only when ``query is key is value``: the forward and the recomputation must agree) and
     # writes in place; with tiny chunks the planner tries to cut it everywhere
-    from gradroute import _plan
-
-    if chunk is not None:
-        monkeypatch.setattr(_plan, "_CHUNK", chunk)
+    options = gradroute.PlanOptions() if chunk is None else gradroute.PlanOptions(chunk=chunk)
     tenc, unet = nn.Linear(D, D).double(), _Reuses()
     x = torch.randn(2, 3, D, dtype=torch.float64)
 
@@ -173,7 +170,7 @@ def test_segment_ops_see_the_same_tensors_and_route_exactly(chunk: int | None, m
 
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
     expected = reference_grads(forward, groups)
-    gradroute.Router(tenc=tenc, unet=unet).backward(**forward())
+    gradroute.Router(tenc=tenc, unet=unet, plan_options=options).backward(**forward())
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
 
 
@@ -492,8 +489,6 @@ def test_segments_the_passes_cannot_interleave_are_recomputed_per_call(monkeypat
     # diffusers' per-layer switch: its skip connections leave from un-checkpointed ops, so one text-encoder
     # call runs through a whole run of segments; shared, their recomputations would all stay alive until the
     # unet pass came through (at 512 px: several times a plain backward's peak)
-    from gradroute import _plan
-
     tenc, unet, forward = _sd_tiny(gradroute.checkpoint)
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
     expected = reference_grads(forward, groups)
@@ -504,10 +499,12 @@ def test_segments_the_passes_cannot_interleave_are_recomputed_per_call(monkeypat
     live = _backward_sampling_live(monkeypatch, router, losses)
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
 
-    monkeypatch.setattr(_plan, "_HELD", 10**9)  # share every segment
+    share_all = gradroute.PlanOptions(held_factor=10**9)  # share every segment
     for p in groups["tenc"] + groups["unet"]:
         p.grad = None
-    shared = _backward_sampling_live(monkeypatch, gradroute.Router(tenc=tenc, unet=unet), forward())
+    shared = _backward_sampling_live(
+        monkeypatch, gradroute.Router(tenc=tenc, unet=unet, plan_options=share_all), forward()
+    )
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
     assert max(live) < max(shared) and live[-1] == shared[-1] == 0, (live, shared)
 
@@ -664,7 +661,6 @@ def test_checkpoint_modules_non_module_fails(bad: Any) -> None:
 
 
 def test_segment_record_does_not_grow_without_a_router() -> None:
-    from gradroute import _checkpoint
 
     lin = nn.Linear(3, 3)
     for _ in range(500):
@@ -763,28 +759,24 @@ def test_grads_exact_where_segments_are_recomputed_per_call() -> None:
 def test_without_interleaving_segments_are_recomputed_per_call_not_piled_up(monkeypatch: pytest.MonkeyPatch) -> None:
     # what the router does for FSDP2's parameters (no cuts inside the segments): shared, every unet segment's
     # recomputation would stay alive from the text-encoder call to the unet call
-    from gradroute import _plan, _router
-
-    def no_interleave(*args: Any, **kwargs: Any) -> Any:
-        return _plan.build(*args, **{**kwargs, "interleave": False})
-
+    no_interleave = gradroute.PlanOptions(interleave=False)
     tenc, unet = make()
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
     expected = reference_grads(lambda: losses(tenc, unet, None), groups)
-    monkeypatch.setattr(_router, "build", no_interleave)
-    router = gradroute.Router(tenc=tenc, unet=unet)
+    router = gradroute.Router(tenc=tenc, unet=unet, plan_options=no_interleave)
     ls = losses(tenc, unet, gradroute.checkpoint)
     assert any("recomputed once per call" in n for n in router.plan(**ls).notes)
     live = _backward_sampling_live(monkeypatch, router, ls)
     assert max(live) == 0, live  # each call's recomputations are gone when it returns
     assert_grads_match(groups["tenc"] + groups["unet"], expected)
 
-    monkeypatch.setattr(_router, "build", no_interleave)
-    monkeypatch.setattr(_plan, "_HELD", 10**9)  # shared: they pile up
+    pile_up = gradroute.PlanOptions(interleave=False, held_factor=10**9)  # shared: they pile up
     for p in groups["tenc"] + groups["unet"]:
         p.grad = None
     live = _backward_sampling_live(
-        monkeypatch, gradroute.Router(tenc=tenc, unet=unet), losses(tenc, unet, gradroute.checkpoint)
+        monkeypatch,
+        gradroute.Router(tenc=tenc, unet=unet, plan_options=pile_up),
+        losses(tenc, unet, gradroute.checkpoint),
     )
     assert max(live) >= 3, live
     assert_grads_match(groups["tenc"] + groups["unet"], expected)
@@ -841,19 +833,13 @@ def _gated_losses(scale_in_place: bool) -> tuple[nn.Module, Callable[[], dict[st
     return unet, forward, groups, expected, ls
 
 
-@pytest.fixture
-def recipes_for_small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_checkpoint, "_RECIPES_MIN_BYTES", 0)
-
-
-@pytest.mark.usefixtures("recipes_for_small_segments")
 @pytest.mark.parametrize("scale_in_place", [False, True])
 def test_shared_recomputation_drops_what_pointwise_ops_make_and_makes_it_again(scale_in_place: bool) -> None:
     # two engine calls through the same segments: the GELU and the gated product (pointwise ops and a view of
     # saved tensors) are dropped once the first call has used them and made again for the second; the
     # projection's output (a matrix product) is kept between them. A GELU modified in place has no recipe.
     unet, _, groups, expected, ls = _gated_losses(scale_in_place)
-    with _session.routed_backward():
+    with _session.routed_backward(recipes_min_bytes=0):
         first = torch.autograd.grad(ls["unet"], groups["unet"], retain_graph=True)
         made = {n: [s for m in unet for k, s in m.made if k == n] for n in ("proj", "gelu", "prod")}
         assert [len(v) for v in made.values()] == [2, 2, 2]  # one recomputation
@@ -870,7 +856,6 @@ def test_shared_recomputation_drops_what_pointwise_ops_make_and_makes_it_again(s
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.usefixtures("recipes_for_small_segments")
 def test_shared_recomputation_under_autocast_makes_the_same_tensors_again() -> None:
     # the recipes record the ops after autocast's casts (bf16 here) and run them again outside autocast, even
     # when the routed backward itself is called under autocast: the gradients are those of torch's checkpoint
@@ -887,7 +872,7 @@ def test_shared_recomputation_under_autocast_makes_the_same_tensors_again() -> N
         loss = (h.float() - target) ** 2
         return {"tenc": loss.mean(), "unet": loss[:, :2].mean()}
 
-    router = gradroute.Router(**groups)
+    router = gradroute.Router(**groups, plan_options=gradroute.PlanOptions(recipes_min_bytes=0))
     expected = router.grads(**forward(torch_ck))
     for m in unet:
         m.made.clear()
@@ -901,16 +886,15 @@ def test_shared_recomputation_under_autocast_makes_the_same_tensors_again() -> N
 
 
 @pytest.mark.parametrize("min_bytes", [0, 10**9])
-def test_small_segments_keep_their_recomputation_between_calls(min_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_segments_keep_their_recomputation_between_calls(min_bytes: int) -> None:
     # recipes cost host time on every op of the recomputation: segments saving less than the threshold keep
     # everything between calls, like before; exact either way
-    monkeypatch.setattr(_checkpoint, "_RECIPES_MIN_BYTES", min_bytes)
     unet, forward, groups, expected, ls = _gated_losses(False)
-    with _session.routed_backward():
+    with _session.routed_backward(recipes_min_bytes=min_bytes):
         torch.autograd.grad(ls["unet"], groups["unet"], retain_graph=True)
         prods = [s for m in unet for k, s in m.made if k == "prod"]
         assert len(prods) == 2 and [s.expired() for s in prods] == [min_bytes == 0] * 2
-    router = gradroute.Router(**groups)
+    router = gradroute.Router(**groups, plan_options=gradroute.PlanOptions(recipes_min_bytes=min_bytes))
     router.backward(**forward())
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
 
@@ -936,7 +920,7 @@ def no_donated_buffers() -> Iterator[None]:
         yield
 
 
-@pytest.mark.usefixtures("recipes_for_small_segments", "no_donated_buffers")
+@pytest.mark.usefixtures("no_donated_buffers")
 @pytest.mark.parametrize("where", ["whole model", "segment", "inside a segment"])
 def test_torch_compile_with_segments_routes_exactly(where: str) -> None:
     # torch.compile around the model (it traces torch's checkpoint instead), a compiled module as the
@@ -956,7 +940,7 @@ def test_torch_compile_with_segments_routes_exactly(where: str) -> None:
         return {"tenc": loss.mean(), "unet": loss[:, :2].mean()}
 
     expected = reference_grads(lambda: forward(run), groups)
-    router = gradroute.Router(**groups)
+    router = gradroute.Router(**groups, plan_options=gradroute.PlanOptions(recipes_min_bytes=0))
     for _ in range(2):  # the second step runs the cached compiled code
         got = router.grads(**forward(run))
         for name, params in groups.items():

@@ -8,6 +8,7 @@ its own: allowed here).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -17,7 +18,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradroute
-from gradroute import _checkpoint, _plan
 from tests._reference import assert_grads_match, reference_grads
 
 D = torch.float64
@@ -150,21 +150,16 @@ def _build(case):
 
 
 def _check(case):
-    defaults = _plan._CHUNK, _checkpoint._RECIPES_MIN_BYTES
-    _plan._CHUNK = case.get("chunk") or _plan._CHUNK
-    _checkpoint._RECIPES_MIN_BYTES = 0 if case.get("recipes") else _checkpoint._RECIPES_MIN_BYTES
-    try:
-        _check_exact(case)
-    finally:
-        _plan._CHUNK, _checkpoint._RECIPES_MIN_BYTES = defaults
-
-
-def _check_exact(case):
+    options = gradroute.PlanOptions()
+    if case.get("chunk"):
+        options = dataclasses.replace(options, chunk=case["chunk"])
+    if case.get("recipes"):
+        options = dataclasses.replace(options, recipes_min_bytes=0)
     forward, groups, params = _build(case)
     routed = {name: loss for name, loss in forward().items() if name in groups}
     names = list(routed)
     expected = reference_grads(forward, groups, names=names)
-    router = gradroute.Router(groups, allow_unreached=True)
+    router = gradroute.Router(groups, allow_unreached=True, plan_options=options)
     router.backward(routed)
     assert_grads_match(params, expected, rtol=1e-9, atol=1e-12)
 

@@ -8,6 +8,7 @@ from . import schedules
 from ._checkpoint import checkpoint, checkpoint_modules, cut_points
 from ._execute import GraphFreedError
 from ._group import Group
+from ._options import PlanOptions
 from ._plan import Call, Plan
 from ._router import Router
 from ._step import GroupStats, StepStats
@@ -18,6 +19,7 @@ __all__ = [
     "Group",
     "GroupStats",
     "Plan",
+    "PlanOptions",
     "Router",
     "StepStats",
     "checkpoint",

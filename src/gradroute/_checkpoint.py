@@ -151,7 +151,7 @@ class _Recipes(TorchDispatchMode):
     data (storage, offset, shape, strides, dtype), not by object: autograd hands views on as new objects.
     The price is a Python dispatch mode during shared recomputations (SD-1.5 on this project's CPU, shapes
     only: 0.09 s more host time in a 1.2 s routed backward) and the cheap ops run once more per call; so only
-    segments that save ``_RECIPES_MIN_BYTES`` or more get recipes (sd-tiny's do not: they cost it 6% of a
+    segments that save ``PlanOptions.recipes_min_bytes`` or more get recipes (sd-tiny's do not: they cost it 6% of a
     step and saved nothing).
     """
 
@@ -216,7 +216,6 @@ class _Recipes(TorchDispatchMode):
 _DEPTH = 4  # cheap ops in a row a recipe may chain
 #: Segments that save less are recomputed without recipes: the dispatch mode costs host time on every op
 #: (about 15 µs on this project's CPU), which a small segment's memory does not repay.
-_RECIPES_MIN_BYTES = 16 * 2**20
 _no_autocast: Callable[[], Any] = getattr(torch._C, "_DisableAutocast", contextlib.nullcontext)
 
 
@@ -473,7 +472,7 @@ class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
                     session.on_exit.append(forget)
                     torch.autograd.Variable._execution_engine.queue_callback(forget)
             elif key not in frame.done:
-                recipes = routed and not frame.compiled and frame.saved_bytes >= _RECIPES_MIN_BYTES
+                recipes = routed and not frame.compiled and frame.saved_bytes >= key.recipes_min_bytes
                 frame.recompute(key, shared=recipes)
                 if routed:
                     key.on_exit.append(_forgetter(frame, key))

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from ._options import PlanOptions
 from ._plan import Program
 from ._session import routed_backward
 
@@ -79,17 +80,20 @@ def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
     return hook
 
 
-def execute(program: Program, *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
+def execute(
+    program: Program, *, accumulate: bool, recipes_min_bytes: int = PlanOptions.recipes_min_bytes
+) -> list[dict[int, torch.Tensor]]:
     """Run ``program``.
 
     Args:
         program: what ``_plan.build`` returned.
         accumulate: add into ``.grad`` (``Router.backward``); otherwise collect (``Router.grads``).
+        recipes_min_bytes: :attr:`gradroute.PlanOptions.recipes_min_bytes`, for ``gradroute.checkpoint``.
 
     Returns:
         With ``accumulate=False``: per route, ``id(param) -> gradient``. Otherwise empty dicts.
     """
-    with routed_backward() as session:
+    with routed_backward(recipes_min_bytes) as session:
         nodes = program.graph.nodes
         session.recompute_per_call = {nodes[i] for i in program.unshared}
         return _run(program, accumulate)

@@ -27,6 +27,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from ._graph import Graph, root_edge, stateless, walk
+from ._options import PlanOptions
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,7 +233,11 @@ def _bits(mask: int) -> list[int]:
 
 
 def build(
-    routes: Sequence[Route], *, merge_shared: bool = True, interleave: bool = True, cache: PlanCache | None = None
+    routes: Sequence[Route],
+    *,
+    merge_shared: bool = True,
+    options: PlanOptions | None = None,
+    cache: PlanCache | None = None,
 ) -> Program:
     """Analyse the graph of ``routes`` and build the program.
 
@@ -242,9 +247,9 @@ def build(
             ``backward``, where shared parameters receive the sum; not for ``grads``, which reports each
             route's gradient separately).
 
-        interleave: cut and interleave the passes through shared ``gradroute.checkpoint`` segments (off under
-            FSDP2, which reduce-scatters a module's gradients at the end of the first engine call that
-            computes any of them).
+        options: chunk size, interleaving and the other settings (:class:`gradroute.PlanOptions`); the
+            router switches ``interleave`` off under FSDP2, which reduce-scatters a module's gradients at the
+            end of the first engine call that computes any of them.
         cache: reuse the analysis of an earlier graph with the same signature.
 
     Returns:
@@ -264,12 +269,13 @@ def build(
             "the parameters inside it; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or "
             "gradroute.checkpoint"
         )
-    key = (merge_shared, interleave, tuple((r.name, len(r.losses)) for r in routes))
+    options = options or PlanOptions()
+    key = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
     hit = cache.entries.get(key) if cache is not None else None
     if hit is not None and hit.signature == g.signature:
         cache.hits += 1  # type: ignore[union-attr]
         return Program(hit.plan, g, routes, hit.stages, hit.unreached, hit.shared, hit.unshared)
-    program = _analyse(g, routes, root_edges, merge_shared, interleave)
+    program = _analyse(g, routes, root_edges, merge_shared, options)
     if cache is not None:
         cache.misses += 1
         cache.entries.pop(key, None)
@@ -282,7 +288,7 @@ def build(
 
 
 def _analyse(
-    g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEdge]], merge_shared: bool, interleave: bool
+    g: Graph, routes: Sequence[Route], root_edges: list[list[GradientEdge]], merge_shared: bool, options: PlanOptions
 ) -> Program:
     n_routes = len(routes)
     n = len(g.nodes)
@@ -421,9 +427,9 @@ def _analyse(
             per_pass.append((st, members_of))
         return (*_schedule(g, per_pass, root_edges), kept)
 
-    segment = _shared_segments(g, need) if interleave else {}
+    segment = _shared_segments(g, need, options.chunk) if options.interleave else {}
     stages, stage_members, kept = staged(segment)
-    unshared, n_unshared = _unshared(g, stage_members, _HELD)
+    unshared, n_unshared = _unshared(g, stage_members, options.held_factor)
     if n_unshared:
         # shared recomputations would pile up (the passes cannot interleave through the segments, or must
         # not: FSDP2): plan as for torch's checkpoint (no cuts inside the segments) and recompute every
@@ -665,18 +671,11 @@ def _schedule(
     return [stages[sid] for sid in order], [members[sid] for sid in order]
 
 
-#: Nodes per chunk of a shared checkpointed segment (at least): the passes through it are cut and interleaved
-#: chunk by chunk, so that a retaining call holds about a chunk of the segment's recomputed activations
-#: (sd-tiny with checkpointing, ``benchmarks/trace_memory.py --chunk N``: 10 or 20 -> 50.2 MiB peak, 40 -> 52.2,
-#: 80 or whole segments -> 56.2, against 46.2 for the summed backward; 20 makes 24 engine calls, 10 makes 35).
-_CHUNK = 20
-
-
-def _shared_segments(g: Graph, need: list[int]) -> dict[int, int]:
+def _shared_segments(g: Graph, need: list[int], chunk: int) -> dict[int, int]:
     """The nodes of live ``gradroute.checkpoint`` segments that more than one pass enters -> the position of
     their chunk in backward order (1 = created last; 0 is left to the nodes above every segment).
 
-    A segment is split into chunks of at least ``_CHUNK`` nodes (by sequence number) at clean lines only: a
+    A segment is split into chunks of at least ``chunk`` nodes (by sequence number) at clean lines only: a
     line is clean when no tensor is consumed by ops on both sides of it (a residual stream inside a block is
     not; the line between two blocks is). Consumers that are views (stateless, one input) do not count: the
     planner moves a view to its input's side and cuts above it. Empty when there is no shared segment.
@@ -734,7 +733,7 @@ def _shared_segments(g: Graph, need: list[int]) -> dict[int, int]:
         for p in range(len(members) - 1, -1, -1):  # from the top of the segment down
             out[members[p]] = pos
             count += 1
-            if count >= _CHUNK and p > 0 and clean[p - 1]:
+            if count >= chunk and p > 0 and clean[p - 1]:
                 pos += 1
                 count = 0
         pos += 1
@@ -938,8 +937,3 @@ def _unshared(g: Graph, stage_members: list[list[int]], factor: float) -> tuple[
             out.add(r)
             total -= b
     return sorted(i for r in out for i in members[r]), len(out)
-
-
-#: How many of the largest segment's recomputations may be alive at once between calls before the
-#: segments holding the most are recomputed per call instead (``_unshared``).
-_HELD = 2

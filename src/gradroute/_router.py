@@ -13,6 +13,7 @@ from ._distributed import live_params
 from ._execute import GraphFreedError, execute, freed_message
 from ._graph import root_edge, saved_attrs
 from ._group import Group, GroupLike
+from ._options import PlanOptions
 from ._plan import Plan, PlanCache, Program, Route, build
 from ._step import StepStats
 
@@ -37,6 +38,7 @@ class Router:
         accumulate: micro-batches per optimizer step (see :meth:`step`).
         allow_unreached: by default a loss that reaches none of its group's parameters is an error (almost
             always a stray ``.detach()``). ``True`` allows it for every group, or give the group names.
+        plan_options: the planner's settings (:class:`gradroute.PlanOptions`); the defaults suit most graphs.
         **named_groups: groups by keyword.
 
     Example:
@@ -58,6 +60,7 @@ class Router:
         scaler: Any = None,
         accumulate: int = 1,
         allow_unreached: bool | Iterable[str] = False,
+        plan_options: PlanOptions | None = None,
         **named_groups: GroupLike,
     ) -> None:
         specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
@@ -82,12 +85,22 @@ class Router:
                         f"`allow_unreached` names unknown group `{n}`; groups are: {', '.join(self._groups)}"
                     )
             self._allow_unreached = set(names)
+        if plan_options is None:
+            plan_options = PlanOptions()
+        elif not isinstance(plan_options, PlanOptions):
+            raise TypeError(f"`plan_options` must be a gradroute.PlanOptions, got {type(plan_options).__name__}")
+        self._options = plan_options
         self._cache = PlanCache()
         from ._step import Stepper
 
         self._stepper = Stepper(self._groups, scaler=scaler, accumulate=accumulate)
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def plan_options(self) -> PlanOptions:
+        """The planner's settings this router was built with."""
+        return self._options
 
     @property
     def groups(self) -> Mapping[str, Group]:
@@ -118,7 +131,7 @@ class Router:
         routes = self._routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(routes)
         program = self._program(routes, merge_shared=True)
-        execute(program, accumulate=True)
+        execute(program, accumulate=True, recipes_min_bytes=self._options.recipes_min_bytes)
         del program
         self._stepper.after_backward(routes)
 
@@ -133,7 +146,7 @@ class Router:
         """
         routes = self._routes(losses, named_losses, "grads")
         program = self._program(routes, merge_shared=False)
-        collected = execute(program, accumulate=False)
+        collected = execute(program, accumulate=False, recipes_min_bytes=self._options.recipes_min_bytes)
         del program
         return {r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)}
 
@@ -271,7 +284,8 @@ class Router:
             # FSDP2 (parameters replaced by their unsharded tensors) reduce-scatters a module's gradients at the
             # end of the first engine call that computes any of them: keep each pass through it in one call
             fsdp2 = any(r.params is not self._groups[r.name].params for r in routes)
-            program = build(routes, merge_shared=merge_shared, interleave=not fsdp2, cache=self._cache)
+            options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
+            program = build(routes, merge_shared=merge_shared, options=options, cache=self._cache)
         finally:
             if enabled:
                 gc.enable()

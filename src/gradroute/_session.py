@@ -9,14 +9,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from ._options import PlanOptions
+
 
 class Session:
     """One ``Router.backward``/``Router.grads`` call. ``on_exit`` callbacks run when the call returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, recipes_min_bytes: int) -> None:
         self.on_exit: list = []
         # autograd nodes whose gradroute.checkpoint segment is recomputed once per engine call, not shared
         self.recompute_per_call: set = set()
+        # PlanOptions.recipes_min_bytes of the router running this backward
+        self.recipes_min_bytes = recipes_min_bytes
 
 
 _current: Session | None = None
@@ -28,10 +32,10 @@ def current() -> Session | None:
 
 
 @contextmanager
-def routed_backward() -> Iterator[Session]:
+def routed_backward(recipes_min_bytes: int = PlanOptions.recipes_min_bytes) -> Iterator[Session]:
     global _current
     outer = _current
-    session = Session()
+    session = Session(recipes_min_bytes)
     _current = session
     try:
         yield session

@@ -96,13 +96,12 @@ def test_ddp_routed_backward_matches_full_batch_reference() -> None:
 
 
 def _checkpointed(rank: int, world: int) -> None:
-    from gradroute import _plan
-
-    _plan._CHUNK = 6  # several interleaved calls through the segment, each delivering some of the UNet's grads
+    # small chunks: several interleaved calls through the segment, each delivering some of the UNet's grads
+    options = gradroute.PlanOptions(chunk=6)
     for layout in LAYOUTS:
         tenc, unet, ref_tenc, ref_unet = checkpointed_pair()
         forward, _ = wrap(layout, tenc, unet)
-        router = gradroute.Router(tenc=tenc, unet=unet)
+        router = gradroute.Router(tenc=tenc, unet=unet, plan_options=options)
         plan = router.plan(losses(forward, *batch(0, world, rank)))
         assert sum(c.groups == ("unet",) for c in plan.calls) >= 3, plan
         groups = {"tenc": list(ref_tenc.parameters()), "unet": list(ref_unet.parameters())}

@@ -209,9 +209,8 @@ def test_live_params_of_plain_parameters_is_the_same_tuple() -> None:
 def _checkpointed(rank: int, world: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from gradroute import _plan
-
-    _plan._CHUNK = 6  # without FSDP2 this segment would be cut into several interleaved calls
+    # small chunks: several interleaved calls through the segment, each delivering some of the UNet's grads
+    options = gradroute.PlanOptions(chunk=6)
     for per_block in (False, True):
         tenc, unet, ref_tenc, ref_unet = checkpointed_pair()
         if per_block:  # FSDP2 per block inside the checkpointed segment, as for transformer blocks
@@ -219,7 +218,7 @@ def _checkpointed(rank: int, world: int) -> None:
                 fully_shard(block)
         fully_shard(tenc)
         fully_shard(unet)
-        router = gradroute.Router(tenc=tenc, unet=unet)
+        router = gradroute.Router(tenc=tenc, unet=unet, plan_options=options)
         groups = {"tenc": list(ref_tenc.parameters()), "unet": list(ref_unet.parameters())}
         ref, model = torch.nn.Sequential(ref_tenc, ref_unet), torch.nn.Sequential(tenc, unet)
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of

@@ -66,7 +66,7 @@ def groups(tenc: Net, unet: Net) -> dict[str, list[torch.Tensor]]:
 
 
 def calls_that_cut_and_accumulate(router: gradroute.Router, losses: dict[str, torch.Tensor]) -> int:
-    return sum(1 for c in router.plan(**losses).calls if c.cuts_out and c.params)
+    return sum(1 for c in router.plan(**losses).calls if c.edges_out and c.params)
 
 
 @pytest.mark.parametrize("ck", ["none", "gradroute", "torch"])

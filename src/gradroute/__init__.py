@@ -9,7 +9,7 @@ from ._checkpoint import checkpoint, checkpoint_modules, cut_points
 from ._execute import GraphFreedError
 from ._group import Group
 from ._options import PlanOptions
-from ._plan import Call, Plan
+from ._planner import Call, Plan
 from ._router import Router
 from ._step import GroupStats, StepStats
 

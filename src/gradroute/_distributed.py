@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ._plan import Route
+from ._types import Route
 
 _FSDP_INTERNALS = (
     "gradroute maps FSDP2's sharded parameters to the unsharded tensors its forward uses through FSDP2 "

@@ -1,4 +1,4 @@
-"""Runs a program built by ``_plan.build``: one engine call per stage, cut gradients carried between calls."""
+"""Runs a program built by ``_planner.build``: one engine call per :class:`Call`, captured gradients carried between calls."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from ._options import PlanOptions
-from ._plan import Program
+from ._planner import Program
 from ._session import routed_backward
 
 _FREED = "backward through the graph a second time"
@@ -44,8 +44,9 @@ class _Handoff:
         self.handles: list[Any] = []
         self.zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def give(self, node: Node, nr: int, grads: list[torch.Tensor | None], i: int) -> torch.Tensor:
-        """Move ``grads[i]`` (set to None there) into the slot of input ``nr`` of ``node``; returns its placeholder."""
+    def hand_off(self, node: Node, nr: int, grads: list[torch.Tensor | None], i: int) -> torch.Tensor:
+        """Move ``grads[i]`` (set to None there) into the slot of input ``nr`` of ``node``; returns the placeholder
+        to start the engine call with."""
         g, grads[i] = grads[i], None
         if g is None:
             raise TypeError("no gradient to hand off")  # unreachable: callers check
@@ -86,50 +87,52 @@ def execute(
     """Run ``program``.
 
     Args:
-        program: what ``_plan.build`` returned.
+        program: what ``_planner.build`` returned.
         accumulate: add into ``.grad`` (``Router.backward``); otherwise collect (``Router.grads``).
         recipes_min_bytes: :attr:`gradroute.PlanOptions.recipes_min_bytes`, for ``gradroute.checkpoint``.
 
     Returns:
         With ``accumulate=False``: per route, ``id(param) -> gradient``. Otherwise empty dicts.
     """
-    with routed_backward(recipes_min_bytes) as session:
-        nodes = program.graph.nodes
-        session.recompute_per_call = {nodes[i] for i in program.unshared}
+    nodes = program.graph.nodes
+    per_call = {nodes[i] for i in program.planned.per_call}
+    with routed_backward(recipes_min_bytes, recompute_per_call=per_call):
         return _run(program, accumulate)
 
 
 def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
-    nodes = program.graph.nodes
-    pending: dict[tuple[int, int, int], torch.Tensor] = {}  # (pass, node, input_nr) -> cut gradient
+    nodes, leaf = program.graph.nodes, program.graph.leaf
+    carried: dict[tuple[int, int, int], torch.Tensor] = {}  # (pass, node, input slot) -> captured gradient
     collected: list[dict[int, torch.Tensor]] = [{} for _ in program.routes]
-    for st in program.stages:
+    for call in program.plan.calls:
+        w = call.wiring
         outputs: list[torch.Tensor | GradientEdge] = []
-        seeds: list[torch.Tensor] = []
-        for r, k in st.losses:
+        grad_outputs: list[torch.Tensor] = []
+        for r, k in w.losses:
             t = program.routes[r].losses[k]
             outputs.append(t)
-            seeds.append(torch.ones_like(t))
+            grad_outputs.append(torch.ones_like(t))
+        targets = [leaf[j] for j in w.targets]
         handoff = _Handoff()
         try:
-            for j, nr in st.cuts_in:
-                cut: list[torch.Tensor | None] = [pending.pop((st.pass_index, j, nr), None)]
-                if cut[0] is not None:
+            for j, nr in w.edges_in:
+                grad: list[torch.Tensor | None] = [carried.pop((w.pass_index, j, nr), None)]
+                if grad[0] is not None:
                     outputs.append(GradientEdge(nodes[j], nr))
-                    seeds.append(handoff.give(nodes[j], nr, cut, 0))
+                    grad_outputs.append(handoff.hand_off(nodes[j], nr, grad, 0))
             if not outputs:
                 continue
-            cuts: list[torch.Tensor | GradientEdge] = [GradientEdge(nodes[j], nr) for j, nr in st.cuts_out]
+            edges_out: list[torch.Tensor | GradientEdge] = [GradientEdge(nodes[j], nr) for j, nr in w.edges_out]
             try:
-                if accumulate and not cuts:
-                    torch.autograd.backward(outputs, seeds, retain_graph=st.retain, inputs=st.targets)  # type: ignore[arg-type]
+                if accumulate and not edges_out:
+                    torch.autograd.backward(outputs, grad_outputs, retain_graph=call.retain, inputs=targets)  # type: ignore[arg-type]
                     continue
                 res: list[torch.Tensor | None] = list(
                     torch.autograd.grad(
                         outputs,  # type: ignore[arg-type]
-                        cuts + st.targets,  # type: ignore[arg-type]
-                        grad_outputs=seeds,
-                        retain_graph=st.retain,
+                        edges_out + targets,  # type: ignore[arg-type]
+                        grad_outputs=grad_outputs,
+                        retain_graph=call.retain,
                         allow_unused=True,
                     )
                 )
@@ -139,16 +142,16 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
                 raise
         finally:
             handoff.close()
-        for i, (j, nr) in enumerate(st.cuts_out):
-            _add(pending, (st.pass_index, j, nr), _compact(res[i]))
+        for i, (j, nr) in enumerate(w.edges_out):
+            _add(carried, (w.pass_index, j, nr), _compact(res[i]))
             res[i] = None
-        grads = res[len(cuts) :]
+        grads = res[len(edges_out) :]
         del res  # the engine steals what nothing else references
         if accumulate:
-            _accumulate([nodes[j] for j in st.target_ids], st.targets, grads)
+            _accumulate([nodes[j] for j in w.targets], targets, grads)
         else:
-            for i, r in enumerate(st.target_routes):
-                _add(collected[r], id(st.targets[i]), grads[i])
+            for i, r in enumerate(w.target_routes):
+                _add(collected[r], id(targets[i]), grads[i])
     return collected
 
 
@@ -173,7 +176,7 @@ def _compact(g: torch.Tensor | None) -> torch.Tensor | None:
 def _accumulate(accumulators: list[Node], params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
     """Add captured parameter gradients into ``.grad`` through the parameters' ``AccumulateGrad`` nodes.
 
-    A call that cuts cannot also accumulate (``autograd.grad`` captures instead), so its parameter gradients go
+    A call that captures gradient edges cannot also accumulate (``autograd.grad`` captures instead), so its parameter gradients go
     to their ``AccumulateGrad`` nodes in one more engine call: ``.grad`` is written the way the engine writes
     it (layout contract, hooks such as DDP's and FSDP's, ``register_post_accumulate_grad_hook``). Handed off
     (``_Handoff``), each gradient is stolen into ``.grad`` when that is empty, not copied. The parameters' own
@@ -182,19 +185,19 @@ def _accumulate(accumulators: list[Node], params: list[torch.Tensor], grads: lis
     """
     handoff = _Handoff()
     edges: list[torch.Tensor | GradientEdge] = []
-    seeds: list[torch.Tensor] = []
+    grad_outputs: list[torch.Tensor] = []
     hooks: list[tuple[dict, dict]] = []
     try:
         for i, node in enumerate(accumulators):
             if grads[i] is not None:
                 edges.append(GradientEdge(node, 0))
-                seeds.append(handoff.give(node, 0, grads, i))
+                grad_outputs.append(handoff.hand_off(node, 0, grads, i))
                 own = params[i]._backward_hooks
                 if own:
                     hooks.append((own, dict(own)))
                     own.clear()
         if edges:
-            torch.autograd.backward(edges, seeds)  # type: ignore[arg-type]
+            torch.autograd.backward(edges, grad_outputs)  # type: ignore[arg-type]
     finally:
         handoff.close()
         for own, saved in hooks:

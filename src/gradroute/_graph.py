@@ -1,6 +1,6 @@
 """One walk over the autograd graph of the losses, into integer-indexed adjacency lists.
 
-The planner (``_plan.py``) works on this structure only; nothing here knows about routes or groups.
+The planner (``_planner``) works on this structure only; nothing here knows about routes or groups.
 """
 
 from __future__ import annotations

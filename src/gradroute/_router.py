@@ -9,15 +9,23 @@ from typing import Any
 
 import torch
 
+from . import _checkpoint
 from ._distributed import live_params
 from ._execute import GraphFreedError, execute, freed_message
-from ._graph import root_edge, saved_attrs
+from ._graph import saved_attrs
 from ._group import Group, GroupLike
 from ._options import PlanOptions
-from ._plan import Plan, PlanCache, Program, Route, build
+from ._planner import Checkpoints, Plan, PlanCache, Program, build
 from ._step import StepStats
+from ._types import Route
 
 LossLike = torch.Tensor | Sequence[torch.Tensor]
+
+# what the planner reads about gradroute.checkpoint segments (it imports nothing of the checkpoint module);
+# looked up at call time, so the planner sees the module's functions as they are then
+_CHECKPOINTS = Checkpoints(
+    segments=lambda: _checkpoint.segments(), node_bytes=lambda node: _checkpoint.held_bytes(node)
+)
 
 
 class Router:
@@ -157,10 +165,8 @@ class Router:
         plan = _with_other_groups(
             program, {n: g.params for n, g in self._groups.items() if n not in program.plan.reach}
         )
-        from ._checkpoint import checkpoint_kind
-
         nodes = program.graph.nodes
-        torch_ckpt = sum(1 for i in program.shared if checkpoint_kind(nodes[i]) == "torch")
+        torch_ckpt = sum(1 for i in program.planned.shared if _checkpoint.checkpoint_kind(nodes[i]) == "torch")
         if not torch_ckpt:
             return plan
         note = (
@@ -285,7 +291,9 @@ class Router:
             # end of the first engine call that computes any of them: keep each pass through it in one call
             fsdp2 = any(r.params is not self._groups[r.name].params for r in routes)
             options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
-            program = build(routes, merge_shared=merge_shared, options=options, cache=self._cache)
+            program = build(
+                routes, merge_shared=merge_shared, options=options, cache=self._cache, checkpoints=_CHECKPOINTS
+            )
         finally:
             if enabled:
                 gc.enable()
@@ -321,18 +329,11 @@ def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Ten
     plan = program.plan
     if not others:
         return plan
-    g = program.graph
+    leaf = program.graph.leaf
     reach = {loss: dict(row) for loss, row in plan.reach.items()}
     leaks = {loss: list(gs) for loss, gs in plan.leaks.items()}
-    for route in program.routes:
-        stack = [g.index[e.node] for e in (root_edge(t) for t in route.losses)]
-        seen = set(stack)
-        while stack:
-            for j, _ in g.succ[stack.pop()]:
-                if j not in seen:
-                    seen.add(j)
-                    stack.append(j)
-        reached = {id(g.leaf[i]) for i in seen if i in g.leaf}
+    for r, route in enumerate(program.routes):
+        reached = {id(leaf[i]) for i, m in program.planned.leaf_routes.items() if m >> r & 1}
         own = {id(p) for p in route.params}
         for name, params in others.items():
             n = sum(1 for p in params if id(p) in reached)

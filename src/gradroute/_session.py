@@ -32,10 +32,13 @@ def current() -> Session | None:
 
 
 @contextmanager
-def routed_backward(recipes_min_bytes: int = PlanOptions.recipes_min_bytes) -> Iterator[Session]:
+def routed_backward(
+    recipes_min_bytes: int = PlanOptions.recipes_min_bytes, recompute_per_call: set | None = None
+) -> Iterator[Session]:
     global _current
     outer = _current
     session = Session(recipes_min_bytes)
+    session.recompute_per_call = recompute_per_call or set()
     _current = session
     try:
         yield session

@@ -30,7 +30,7 @@ import torch
 
 from ._distributed import GradSync, group_params
 from ._group import Group, describe_param, optimizer_mismatch, scheduler_mismatch
-from ._plan import Route
+from ._types import Route
 
 _FORMAT = "gradroute.Router.state_dict/1"
 

@@ -55,7 +55,7 @@ def test_seed_plan_cuts_at_text_encoder_output(seed_setup):
     assert plan.leaks == {"tenc": ("unet",), "unet": ("tenc",)}
     retaining = [c for c in plan.calls if c.retain]
     assert len(retaining) == 1 and retaining[0].params == 0 and retaining[0].groups == ("tenc",)
-    assert plan.calls[-1].cuts_in == retaining[0].cuts_out
+    assert plan.calls[-1].edges_in == retaining[0].edges_out
     n_tenc = len(list(tenc.parameters()))
     n_unet = len(list(unet.parameters()))
     assert sum(c.params for c in plan.calls if c.groups == ("tenc",)) == n_tenc
@@ -70,7 +70,7 @@ def test_plan_prints_a_readable_table(seed_setup):
     assert text.startswith("gradroute plan: 2 routed loss(es), 2 pass(es)")
     assert "tenc -> unet" in text and "LEAK" in text and "(own)" in text
     assert "passes (in order): tenc  then  unet" in text
-    for column in ("retain", "starts from", "cuts out", "params", "nodes"):
+    for column in ("retain", "starts from", "edges out", "params", "nodes"):
         assert column in text
 
 

@@ -1,0 +1,144 @@
+"""The pipeline: reach -> passes -> needs -> order -> last use -> stage -> schedule -> per call -> describe."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .._graph import Graph
+from .._options import PlanOptions
+from .chunks import chunk_shared_segments
+from .describe import describe
+from .masks import bits, several
+from .needs import Needs, needs
+from .order import last_use, order_passes
+from .passes import merge_routes
+from .per_call import recompute_per_call
+from .plan import Plan
+from .reach import reach
+from .schedule import schedule
+from .stage import PassInputs, PassStages, stage_pass
+
+# NOTE [Terms used by the planner]
+# * route -- one group name with its loss tensors (summed) and its parameters.
+# * pass -- one or more routes whose losses are backpropagated together. Routes are merged into one pass when
+#   that is exact: no loss of the pass reaches a parameter that only another route of the pass owns.
+# * need -- the autograd nodes a pass must execute: on a path from one of its losses to one of its
+#   parameters. This is exactly the set the engine executes for ``backward(inputs=params)``.
+# * last use -- passes run in an order; a node's last use is the last pass that needs it. Executing a node
+#   without ``retain_graph`` frees its saved tensors, so every node must be executed with
+#   ``retain_graph=False`` exactly at its last use, and with ``retain_graph=True`` before.
+# * stage, call -- a pass is split at the edges where the label (retain or free) changes. Each stage is one
+#   engine call (a :class:`Call`); the gradients flowing across such an edge are captured as
+#   ``GradientEdge`` inputs of one call and fed as ``GradientEdge`` outputs of the next ("edges out" and
+#   "edges in"; unrelated to ``gradroute.cut_points``, which gives a module's output a view per consumer).
+# * stateless -- a node that keeps no tensors (a view, an add): it may run in calls of either kind.
+# Nothing here touches ``.grad``: the executor (``_execute.py``) runs the calls.
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """What the planner reads about ``gradroute.checkpoint`` segments, passed in by the caller.
+
+    Attributes:
+        segments: returns the live segments' sequence-number ranges ``[first, end)``, sorted (called on a
+            cache miss only).
+        node_bytes: ``node -> bytes`` a recomputation of the node's segment keeps alive for it.
+    """
+
+    segments: Callable[[], Sequence[tuple[int, int]]]
+    node_bytes: Callable[[object], int]
+
+
+NO_CHECKPOINTS = Checkpoints(segments=lambda: (), node_bytes=lambda node: 0)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What the pipeline makes of one graph; valid for every graph of the same signature (no graph references).
+
+    Attributes:
+        plan: the plan; its calls carry the node ids the executor needs.
+        unreached: the routes whose losses reach none of their own parameters, by position.
+        shared: the nodes that more than one pass executes.
+        per_call: the nodes of checkpoint segments recomputed once per call instead of shared.
+        leaf_routes: leaf node id -> the routes whose losses reach it (for the reach of groups not routed).
+    """
+
+    plan: Plan
+    unreached: tuple[int, ...]
+    shared: tuple[int, ...]
+    per_call: tuple[int, ...]
+    leaf_routes: dict[int, int]
+
+
+def analyse(
+    g: Graph,
+    names: Sequence[str],
+    params: Sequence[Sequence[object]],
+    roots: Sequence[Sequence[int]],
+    *,
+    merge_shared: bool,
+    options: PlanOptions,
+    checkpoints: Checkpoints = NO_CHECKPOINTS,
+) -> Planned:
+    """Run the pipeline on graph ``g``: route ``r`` is named ``names[r]``, owns ``params[r]`` and starts at
+    the nodes ``roots[r]`` (one per loss tensor)."""
+    found = reach(g, params, roots, merge_shared=merge_shared)  # type: ignore[arg-type]
+    passes = merge_routes(found)
+    need = needs(g, found, passes)
+    order = order_passes(g, need, len(passes.routes))
+    last = last_use(need, order)
+    inputs = [
+        PassInputs(
+            index=k,
+            routes=passes.routes[k],
+            groups=tuple(names[r] for r in bits(passes.routes[k])),
+            roots=roots,
+            owners=found.owners,
+        )
+        for k in order
+    ]
+    ranges = checkpoints.segments()
+    chunk_of = chunk_shared_segments(g, need.needed_by, ranges, options.chunk) if options.interleave else {}
+    staged = _stage_all(g, inputs, need, last, chunk_of, roots)
+    per_call = recompute_per_call(g, staged.members, ranges, checkpoints.node_bytes, options.held_factor)
+    if per_call.segments:
+        # shared recomputations would pile up (the passes cannot interleave through the segments, or must
+        # not: FSDP2): plan as for torch's checkpoint (no cuts inside the segments) and recompute every
+        # segment once per call, each tensor dropped once used
+        if chunk_of:
+            chunk_of = {}
+            staged = _stage_all(g, inputs, need, last, chunk_of, roots)
+        per_call = recompute_per_call(g, staged.members, ranges, checkpoints.node_bytes, 0)
+    plan = describe(
+        names,
+        found,
+        passes,
+        order,
+        staged.calls,
+        kept=staged.kept,
+        graph_nodes=len(g.nodes),
+        chunks=len(set(chunk_of.values())),
+        per_call=per_call,
+    )
+    return Planned(
+        plan=plan,
+        unreached=passes.unreached,
+        shared=tuple(i for i, nd in enumerate(need.needed_by) if several(nd)),
+        per_call=per_call.nodes,
+        leaf_routes={i: found.reached_by[i] for i in g.leaf},
+    )
+
+
+def _stage_all(
+    g: Graph,
+    inputs: Sequence[PassInputs],
+    need: Needs,
+    last: Sequence[int],
+    chunk_of: dict[int, int],
+    roots: Sequence[Sequence[int]],
+) -> PassStages:
+    """Stage every pass (in execution order) and schedule the calls."""
+    per_pass = [stage_pass(g, p, need, last, chunk_of) for p in inputs]
+    return schedule(g, per_pass, roots)

@@ -1,0 +1,89 @@
+"""Step 8, recompute per call: the checkpoint segments better recomputed once per engine call than shared."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._graph import Graph
+from .chunks import segment_of
+
+# NOTE [Shared or per-call recomputation]
+# Shared, a segment's recomputed tensors live from the first call through the segment (which recomputes it)
+# until the call that frees their node. Where the passes interleave chunk by chunk that is about one segment
+# at a time; where they cannot (a tensor that plain code hands to ops on both sides of the segments, e.g.
+# diffusers' skip connections from its downsamplers), one retaining call recomputes a whole run of segments
+# and all of them stay alive until the other pass has been through them: on SD-1.5 at 512 px, several times
+# the summed backward's peak. Such segments are recomputed once per engine call instead, each recomputed
+# tensor dropped once its node has used it, as torch.utils.checkpoint does (the executor hands the nodes to
+# the session: Session.recompute_per_call, read by gradroute.checkpoint's unpack hook).
+
+
+@dataclass(frozen=True)
+class PerCall:
+    """The segments picked for recomputation once per call.
+
+    Attributes:
+        nodes: their autograd node ids, sorted.
+        segments: how many segments they make.
+    """
+
+    nodes: tuple[int, ...] = ()
+    segments: int = 0
+
+
+def recompute_per_call(
+    g: Graph,
+    call_members: Sequence[Sequence[int]],
+    ranges: Sequence[tuple[int, int]],
+    node_bytes: Callable[[Any], int],
+    factor: float,
+) -> PerCall:
+    """Pick the segments (``ranges``: sequence-number ranges ``[first, end)``, sorted) to recompute per call.
+
+    While the bytes that shared recomputations hold after some call exceed ``factor`` times the largest
+    segment's, the segments holding the most there are picked (``factor`` 0: every segment that more than
+    one call enters). ``node_bytes(node)``: what a recomputation of the node's segment keeps alive for it.
+    """
+    if not ranges:
+        return PerCall()
+    starts = [a for a, _ in ranges]
+    first: dict[int, int] = {}  # segment -> the first call through it
+    members: dict[int, dict[int, int]] = {}  # segment -> node -> its last call
+    for t, mem in enumerate(call_members):
+        for i in mem:
+            r = segment_of(g.nodes[i]._sequence_nr(), ranges, starts)
+            if r >= 0:
+                first.setdefault(r, t)
+                members.setdefault(r, {})[i] = t
+    nbytes = {i: node_bytes(g.nodes[i]) for m in members.values() for i in m}
+    size = {r: sum(nbytes[i] for i in m) for r, m in members.items()}
+    if not size or not max(size.values()):
+        return PerCall()
+    budget = factor * max(size.values())
+    held = {r: _held(m, first[r], nbytes, len(call_members)) for r, m in members.items()}
+    out: set[int] = set()
+    for t in range(len(call_members)):
+        live = sorted((held[r][t], r) for r in held if r not in out and held[r][t])
+        total = sum(b for b, _ in live)
+        while total > budget and live:
+            b, r = live.pop()  # the segment holding the most at this call
+            out.add(r)
+            total -= b
+    return PerCall(nodes=tuple(sorted(i for r in out for i in members[r])), segments=len(out))
+
+
+def _held(last_call: dict[int, int], first: int, nbytes: dict[int, int], n_calls: int) -> list[int]:
+    """Per call, the bytes of one segment's shared recomputation alive after it (made by call ``first``, each
+    node's part freed by its last call)."""
+    diff = [0] * (n_calls + 1)
+    for i, t_last in last_call.items():
+        if t_last > first and nbytes[i]:
+            diff[first] += nbytes[i]
+            diff[t_last] -= nbytes[i]
+    acc, row = 0, []
+    for t in range(n_calls):
+        acc += diff[t]
+        row.append(acc)
+    return row

@@ -1,4 +1,4 @@
-"""Runs a program built by ``_planner.build``: one engine call per :class:`Call`, captured gradients carried between calls."""
+"""Runs a program built by ``_planner.build``: one engine call per ``Call``, captured gradients carried on."""
 
 from __future__ import annotations
 
@@ -176,12 +176,12 @@ def _compact(g: torch.Tensor | None) -> torch.Tensor | None:
 def _accumulate(accumulators: list[Node], params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
     """Add captured parameter gradients into ``.grad`` through the parameters' ``AccumulateGrad`` nodes.
 
-    A call that captures gradient edges cannot also accumulate (``autograd.grad`` captures instead), so its parameter gradients go
-    to their ``AccumulateGrad`` nodes in one more engine call: ``.grad`` is written the way the engine writes
-    it (layout contract, hooks such as DDP's and FSDP's, ``register_post_accumulate_grad_hook``). Handed off
-    (``_Handoff``), each gradient is stolen into ``.grad`` when that is empty, not copied. The parameters' own
-    tensor hooks (``Tensor.register_hook``) already ran when the gradient was captured: they are set aside for
-    this call so they do not run twice.
+    A call that captures gradient edges cannot also accumulate (``autograd.grad`` captures instead), so its
+    parameter gradients go to their ``AccumulateGrad`` nodes in one more engine call: ``.grad`` is written the
+    way the engine writes it (layout contract, hooks such as DDP's and FSDP's,
+    ``register_post_accumulate_grad_hook``). Handed off (``_Handoff``), each gradient is stolen into ``.grad``
+    when that is empty, not copied. The parameters' own tensor hooks (``Tensor.register_hook``) already ran
+    when the gradient was captured: they are set aside for this call so they do not run twice.
     """
     handoff = _Handoff()
     edges: list[torch.Tensor | GradientEdge] = []

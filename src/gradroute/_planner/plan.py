@@ -108,14 +108,31 @@ class Plan:
     others: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        lines = [
+            f"gradroute plan: {len(self.groups)} routed loss(es), {len(self.passes)} pass(es), "
+            f"{len(self.calls)} engine call(s), {self.graph_nodes} autograd nodes, "
+            f"{self.kept_nodes} kept after backward",
+            "",
+            *self._reach_lines(),
+            "",
+            "passes (in order): " + "  then  ".join("+".join(p) for p in self.passes),
+            "",
+            *self._call_lines(),
+            "",
+            "retain=yes: the call's nodes are needed again by a later pass; each node's last call frees it.",
+        ]
+        if self.kept_nodes:
+            lines.append(
+                f"kept: {self.kept_nodes} nodes could not be cut cleanly and stay alive until the losses are dropped."
+            )
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def _reach_lines(self) -> list[str]:
         names = self.groups
         columns = (*names, *self.others)
         width = max([len(n) for n in names] + [5])
         lines = [
-            f"gradroute plan: {len(names)} routed loss(es), {len(self.passes)} pass(es), "
-            f"{len(self.calls)} engine call(s), {self.graph_nodes} autograd nodes, "
-            f"{self.kept_nodes} kept after backward",
-            "",
             "reach: parameters of each group (columns) that each routed loss (rows) reaches",
             "  " + "loss".ljust(width) + "  " + "  ".join(g.rjust(max(len(g), 9)) for g in columns),
         ]
@@ -137,9 +154,9 @@ class Plan:
             )
         else:
             lines.append("  no loss reaches another group's parameters: a summed backward would be exact")
-        lines.append("")
-        lines.append("passes (in order): " + "  then  ".join("+".join(p) for p in self.passes))
-        lines.append("")
+        return lines
+
+    def _call_lines(self) -> list[str]:
         header = ("#", "pass", "retain", "starts from", "edges out", "params", "nodes")
         rows = []
         for c in self.calls:
@@ -160,14 +177,7 @@ class Plan:
                 )
             )
         widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(header)]
-        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)))
+        lines = ["  " + "  ".join(h.ljust(w) for h, w in zip(header, widths))]
         for r in rows:
             lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)))
-        lines.append("")
-        lines.append("retain=yes: the call's nodes are needed again by a later pass; each node's last call frees it.")
-        if self.kept_nodes:
-            lines.append(
-                f"kept: {self.kept_nodes} nodes could not be cut cleanly and stay alive until the losses are dropped."
-            )
-        lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
+        return lines

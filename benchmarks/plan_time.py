@@ -1,6 +1,8 @@
 """The planner's own time per call: ``Router.plan`` on a cache miss (analysis) and on a cache hit (walk only).
 
 One forward per workload, then ``repeats`` rounds of (miss, hit), interleaved; prints medians in milliseconds.
+The collector is off while a call runs, as in ``Router`` (a collection would be charged to whichever call
+happened to trigger it).
 
     PYTHONPATH=src python benchmarks/plan_time.py [--repeats 15] [--sd15] [--baseline OLD/src]
 
@@ -15,6 +17,7 @@ and ``cut_points``): about 4 GB of memory and a minute to build on a CPU. Needs 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import pathlib
 import shutil
@@ -48,6 +51,7 @@ def _time_plan(name: str, kind: str, repeats: int, baseline: Any, **build_kwargs
     miss, hit = [], []
     for _ in range(repeats):
         router._cache.clear()
+        gc.collect()
         t0 = time.perf_counter()
         router.plan(**losses)
         t1 = time.perf_counter()
@@ -99,11 +103,14 @@ def _against_baseline(label: str, router: Any, losses: dict, repeats: int, base_
     for _ in range(repeats):
         for tag, fn, cache in (("new", new, new_cache), ("old", old, old_cache)):
             cache.clear()
+            gc.collect()
+            gc.disable()
             t0 = time.perf_counter()
             fn()
             t1 = time.perf_counter()
             fn()
             t2 = time.perf_counter()
+            gc.enable()
             times[f"{tag} miss"].append(t1 - t0)
             times[f"{tag} hit"].append(t2 - t1)
     medians = ", ".join(f"{k} {1e3 * statistics.median(v):.1f} ms" for k, v in times.items())

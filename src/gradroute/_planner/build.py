@@ -1,4 +1,4 @@
-"""The pipeline: reach -> passes -> needs -> order -> last use -> stage -> schedule -> per call -> describe."""
+"""The pipeline: reach -> passes -> needs -> order, last use -> chunks -> stage -> schedule -> per call -> describe."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def analyse(
 ) -> Planned:
     """Run the pipeline on graph ``g``: route ``r`` is named ``names[r]``, owns ``params[r]`` and starts at
     the nodes ``roots[r]`` (one per loss tensor)."""
-    found = reach(g, params, roots, merge_shared=merge_shared)  # type: ignore[arg-type]
+    found = reach(g, params, roots, merge_shared=merge_shared)
     passes = merge_routes(found)
     need = needs(g, found, passes)
     order = order_passes(g, need, len(passes.routes))

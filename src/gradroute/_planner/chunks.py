@@ -1,4 +1,4 @@
-"""Chunks of shared checkpoint segments: where passes through a ``gradroute.checkpoint`` segment are cut."""
+"""Step 5, chunks: where passes through a shared ``gradroute.checkpoint`` segment are cut, to interleave."""
 
 from __future__ import annotations
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from .._graph import Graph
 from .masks import bits, several
 
@@ -30,9 +28,7 @@ class Reach:
     apart: list[int]
 
 
-def reach(
-    g: Graph, params: Sequence[Sequence[torch.Tensor]], roots: Sequence[Sequence[int]], *, merge_shared: bool
-) -> Reach:
+def reach(g: Graph, params: Sequence[Sequence[object]], roots: Sequence[Sequence[int]], *, merge_shared: bool) -> Reach:
     """Sweep the graph from every route's loss nodes ``roots[r]``; ``params[r]`` are route ``r``'s parameters.
 
     Two routes must run apart when one reaches a parameter the other owns alone (a merged pass would write

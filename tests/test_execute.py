@@ -56,7 +56,7 @@ def make() -> tuple[Net, Net, torch.Tensor, torch.Tensor, torch.Tensor]:
     return tenc, unet, x, target, mask
 
 
-def seed_losses(unet: Net, hidden: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, ck: CK):
+def masked_losses(unet: Net, hidden: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, ck: CK):
     loss = (unet(hidden, ck) - target) ** 2
     return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
 
@@ -78,7 +78,7 @@ def test_parameter_hooks_run_once_and_their_result_is_kept(ck: str) -> None:
         p.register_hook(functools.partial(lambda k, g: (seen.update([k]), g * (k + 2))[1], k))
 
     def forward() -> dict[str, torch.Tensor]:
-        return seed_losses(unet, tenc(x, CKS[ck]), target, mask, CKS[ck])
+        return masked_losses(unet, tenc(x, CKS[ck]), target, mask, CKS[ck])
 
     expected = reference_grads(forward, groups(tenc, unet))  # the hooks run (once per parameter) here too
     seen.clear()
@@ -100,7 +100,7 @@ def test_post_accumulate_grad_hooks_run_once_on_the_final_grad(ck: str) -> None:
             functools.partial(lambda k, q: seen.setdefault(k, []).append(q.grad.clone()), k)
         )
     router = gradroute.Router(tenc=tenc, unet=unet)
-    router.backward(**seed_losses(unet, tenc(x, CKS[ck]), target, mask, CKS[ck]))
+    router.backward(**masked_losses(unet, tenc(x, CKS[ck]), target, mask, CKS[ck]))
     assert sorted(seen) == list(range(len(params)))
     for k, p in enumerate(params):
         assert len(seen[k]) == 1
@@ -119,10 +119,10 @@ def test_hook_on_the_boundary_sees_its_gradient_once(ck: str, how: str) -> None:
     else:
         hidden.retain_grad()
     router = gradroute.Router(tenc=tenc, unet=unet)
-    router.backward(**seed_losses(unet, hidden, target, mask, CKS[ck]))
+    router.backward(**masked_losses(unet, hidden, target, mask, CKS[ck]))
 
     ref_hidden = tenc(x).detach().requires_grad_()
-    ref_loss = seed_losses(unet, ref_hidden, target, mask, None)["tenc"]
+    ref_loss = masked_losses(unet, ref_hidden, target, mask, None)["tenc"]
     (g_hidden,) = torch.autograd.grad(ref_loss, ref_hidden)
     sign = -1.0 if how == "reverse" else 1.0
     expected = dict(
@@ -151,12 +151,12 @@ class AccumulateGradOps(TorchDispatchMode):
 def test_captured_parameter_gradients_are_stolen_into_grad(ck: str) -> None:
     tenc, unet, x, target, mask = make()
     router = gradroute.Router(tenc=tenc, unet=unet)
-    losses = seed_losses(unet, tenc(x, CKS[ck]), target, mask, CKS[ck])
+    losses = masked_losses(unet, tenc(x, CKS[ck]), target, mask, CKS[ck])
     with AccumulateGradOps() as mode:
         router.backward(**losses)
     assert set(mode.ops) == {"aten.detach.default"}  # empty .grad: every gradient moved in (detached), none copied
 
-    losses = seed_losses(unet, tenc(x, CKS[ck]), target, mask, CKS[ck])
+    losses = masked_losses(unet, tenc(x, CKS[ck]), target, mask, CKS[ck])
     with AccumulateGradOps() as mode:
         router.backward(**losses)  # into existing .grad: in-place adds only
     assert set(mode.ops) == {"aten.add_.Tensor"}

@@ -1,4 +1,4 @@
-"""The plan: what it does on the seed's text-encoder -> UNet setup, how it prints, and its cache."""
+"""The plan: what it does on the demo's text-encoder -> UNet setup, how it prints, and its cache."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ D = torch.float64
 
 
 @pytest.fixture
-def seed_setup():
+def tenc_unet_setup():
     tenc, unet = make_models(seed=0, width=8)
     tenc, unet = tenc.to(D), unet.to(D)
     batch = make_batch(3, torch.Generator().manual_seed(0))
@@ -30,16 +30,16 @@ def seed_setup():
     return tenc, unet, forward
 
 
-def test_text_encoder_unet_exact(seed_setup):
-    tenc, unet, forward = seed_setup
+def test_text_encoder_unet_exact(tenc_unet_setup):
+    tenc, unet, forward = tenc_unet_setup
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
     expected = reference_grads(forward, groups)
     gradroute.Router(tenc=tenc, unet=unet).backward(**forward())
     assert_grads_match([*tenc.parameters(), *unet.parameters()], expected, rtol=1e-9, atol=1e-12)
 
 
-def test_seed_plan_cuts_at_text_encoder_output(seed_setup):
-    tenc, unet, forward = seed_setup
+def test_tenc_unet_plan_cuts_at_text_encoder_output(tenc_unet_setup):
+    tenc, unet, forward = tenc_unet_setup
     plan = gradroute.Router(tenc=tenc, unet=unet).plan(**forward())
     # the text-encoder loss goes first (its loss node keeps nothing: no call of its own), retaining only
     # through the shared UNet (input gradients only),
@@ -64,8 +64,8 @@ def test_seed_plan_cuts_at_text_encoder_output(seed_setup):
     assert all(c.nodes > 0 for c in plan.calls)
 
 
-def test_plan_prints_a_readable_table(seed_setup):
-    tenc, unet, forward = seed_setup
+def test_plan_prints_a_readable_table(tenc_unet_setup):
+    tenc, unet, forward = tenc_unet_setup
     text = str(gradroute.Router(tenc=tenc, unet=unet).plan(**forward()))
     assert text.startswith("gradroute plan: 2 routed loss(es), 2 pass(es)")
     assert "tenc -> unet" in text and "LEAK" in text and "(own)" in text
@@ -74,8 +74,8 @@ def test_plan_prints_a_readable_table(seed_setup):
         assert column in text
 
 
-def test_plan_runs_nothing_and_holds_no_graph(seed_setup):
-    tenc, unet, _forward = seed_setup
+def test_plan_runs_nothing_and_holds_no_graph(tenc_unet_setup):
+    tenc, unet, _forward = tenc_unet_setup
     router = gradroute.Router(tenc=tenc, unet=unet)
     hidden = tenc(torch.randint(0, 8, (2, 4)))
     ref = weakref.ref(hidden)  # saved by the UNet's cross-attention projections
@@ -91,8 +91,8 @@ def test_plan_runs_nothing_and_holds_no_graph(seed_setup):
     assert plan.graph_nodes > 0
 
 
-def test_cache_reuses_the_analysis_for_the_same_graph(seed_setup):
-    tenc, unet, forward = seed_setup
+def test_cache_reuses_the_analysis_for_the_same_graph(tenc_unet_setup):
+    tenc, unet, forward = tenc_unet_setup
     router = gradroute.Router(tenc=tenc, unet=unet)
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
     for _step in range(3):

@@ -27,58 +27,56 @@ def _require_sd15() -> tuple[Any, Any, Any]:
     return UNet2DConditionModel, CLIPTextConfig, CLIPTextModel
 
 
+#: Stable Diffusion 1.5's UNet and CLIP ViT-L/14 text encoder
+_UNET: dict[str, Any] = {
+    "sample_size": 64,
+    "in_channels": 4,
+    "out_channels": 4,
+    "layers_per_block": 2,
+    "block_out_channels": (320, 640, 1280, 1280),
+    "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    "cross_attention_dim": 768,
+    "attention_head_dim": 8,
+    "norm_num_groups": 32,
+}
+_TEXT: dict[str, Any] = {
+    "vocab_size": 49408,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "projection_dim": 768,
+}
+#: what the tiny configuration (the same block types) changes
+_TINY_UNET: dict[str, Any] = {
+    "sample_size": 16,
+    "layers_per_block": 1,
+    "block_out_channels": (32, 64),
+    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+    "cross_attention_dim": 32,
+}
+_TINY_TEXT: dict[str, Any] = {
+    "vocab_size": 1000,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "projection_dim": 32,
+}
+
+
 def sd15_configs(size: str = "full") -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(unet_config, text_config)``: Stable Diffusion 1.5's UNet and CLIP ViT-L/14 text encoder, or a tiny
-    configuration of the same block types (``size="tiny"``) for tests."""
+    """``(unet_config, text_config)``, fresh dicts: Stable Diffusion 1.5's UNet and CLIP ViT-L/14 text encoder,
+    or a tiny configuration of the same block types (``size="tiny"``) for tests."""
     if size == "full":
-        unet = {
-            "sample_size": 64,
-            "in_channels": 4,
-            "out_channels": 4,
-            "layers_per_block": 2,
-            "block_out_channels": (320, 640, 1280, 1280),
-            "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-            "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-            "cross_attention_dim": 768,
-            "attention_head_dim": 8,
-            "norm_num_groups": 32,
-        }
-        text = {
-            "vocab_size": 49408,
-            "hidden_size": 768,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 12,
-            "num_attention_heads": 12,
-            "max_position_embeddings": 77,
-            "hidden_act": "quick_gelu",
-            "projection_dim": 768,
-        }
-    elif size == "tiny":
-        unet = {
-            "sample_size": 16,
-            "in_channels": 4,
-            "out_channels": 4,
-            "layers_per_block": 1,
-            "block_out_channels": (32, 64),
-            "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
-            "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
-            "cross_attention_dim": 32,
-            "attention_head_dim": 8,
-            "norm_num_groups": 32,
-        }
-        text = {
-            "vocab_size": 1000,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "max_position_embeddings": 77,
-            "hidden_act": "quick_gelu",
-            "projection_dim": 32,
-        }
-    else:
-        raise ValueError(f"`size` must be 'full' or 'tiny', got {size!r}")
-    return unet, text
+        return dict(_UNET), dict(_TEXT)
+    if size == "tiny":
+        return {**_UNET, **_TINY_UNET}, {**_TEXT, **_TINY_TEXT}
+    raise ValueError(f"`size` must be 'full' or 'tiny', got {size!r}")
 
 
 def unet_cut_points(unet: Any) -> list[torch.nn.Module]:

@@ -32,8 +32,8 @@ test: $(STAMP)-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)-test
-	$(PY) -m ruff check src tests examples
-	$(PY) -m ruff format --check src tests examples
+	$(PY) -m ruff check src tests examples benchmarks
+	$(PY) -m ruff format --check src tests examples benchmarks
 
 typecheck: $(STAMP)-test
 	$(PY) -m mypy

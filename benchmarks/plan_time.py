@@ -31,10 +31,7 @@ import torch
 import gradroute
 from gradroute._planner import build
 
-try:  # the CLI's workloads, wherever the package keeps them
-    from gradroute.cli import _workloads as workloads  # type: ignore[import-not-found,unused-ignore]
-except ImportError:
-    from gradroute import _workloads as workloads  # type: ignore[no-redef,attr-defined,unused-ignore]
+from gradroute.cli import workloads
 
 
 def _time_plan(name: str, kind: str, repeats: int, baseline: Any, **build_kwargs: object) -> None:

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradroute
-from gradroute import _workloads
+from gradroute.cli.workloads import Workload, build
 
 
 class LiveBytes(TorchDispatchMode):
@@ -136,7 +136,7 @@ def fused_attention(on: bool) -> Iterator[None]:
 
 
 def trace(
-    wl: _workloads.Workload,
+    wl: Workload,
     kind: str,
     autocast: torch.dtype | None = None,
     options: gradroute.PlanOptions | None = None,
@@ -200,7 +200,7 @@ def main() -> None:
     torch.set_num_threads(1)
     options = gradroute.PlanOptions() if args.chunk is None else gradroute.PlanOptions(chunk=args.chunk)
     ckpt = not args.no_checkpointing
-    wl = _workloads.build(
+    wl = build(
         args.workload,
         batch_size=args.batch_size,
         device=args.device,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import gradroute
-from gradroute._demo_models import make_batch, make_models, route_losses
+from gradroute.cli.data import make_batch
+from gradroute.cli.models import make_models, route_losses
 from tests._reference import assert_grads_match, reference_grads
 
 D = torch.float64

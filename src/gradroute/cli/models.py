@@ -1,27 +1,20 @@
-"""Tiny embedded models and data for ``gradroute demo``, ``gradroute bench --workload sd-tiny`` and the tests.
+"""The demo's tiny text encoder and conditional UNet, and the two routed losses; pure torch, nothing downloaded.
 
-Pure torch, nothing downloaded. The scenario: a text encoder feeds a conditional denoising UNet; the
-unmasked loss trains the text encoder, the masked loss (the shape's region) trains the UNet.
-
-Stable API (the tests import these names):
+A text encoder feeds a conditional denoising UNet; the unmasked loss trains the text encoder, the masked loss
+(the shape's region) trains the UNet. Used by ``gradroute demo``, ``gradroute bench --workload sd-tiny`` and the
+tests. The data is in ``gradroute.cli.data``, the noise schedule in ``gradroute.cli.noise``.
 
 * ``make_models(seed=0, width=32) -> (tenc, unet)``: a :class:`TinyTextEncoder` and a :class:`TinyUNet`,
   initialised from ``seed`` without touching the global RNG. ``width`` (a multiple of 8) is the UNet's base
   channel count; the text width is ``2 * width``.
-* ``make_batch(batch_size, generator, *, device=None, schedule=None) -> dict``: a deterministic batch from a
-  CPU ``torch.Generator``, with keys ``tokens`` (B, T) int64, ``images`` (B, 3, 32, 32) in [-1, 1],
-  ``masks`` (B, 1, 32, 32) float 0/1, ``captions`` (list of str), and, for the denoising loss,
-  ``timesteps`` (B,) int64, ``noise`` (B, 3, 32, 32) and ``noisy`` (the images noised at ``timesteps``).
 * ``forward_losses(tenc, unet, batch) -> (loss_tenc, loss_unet)``: one forward; ``loss_tenc`` is the
   unmasked mean squared error of the predicted noise, ``loss_unet`` the same error times the mask, averaged.
   ``route_losses(pred, batch)`` is the second half (from the UNet's prediction).
-* ``NoiseSchedule`` (``SCHEDULE`` is the default one): cosine DDPM schedule, ``add_noise``, ``predict_x0``,
-  ``sample`` (deterministic DDIM).
-* ``tokenize(captions)``, ``VOCAB``, ``COLOURS``, ``SHAPES``, ``POSITIONS``, ``IMAGE_SIZE``, ``MAX_TOKENS``.
 
 Example:
     >>> import torch
-    >>> from gradroute._demo_models import make_models, make_batch, forward_losses
+    >>> from gradroute.cli.data import make_batch
+    >>> from gradroute.cli.models import make_models, forward_losses
     >>> tenc, unet = make_models(seed=0, width=8)
     >>> batch = make_batch(2, torch.Generator().manual_seed(0))
     >>> loss_tenc, loss_unet = forward_losses(tenc, unet, batch)
@@ -32,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,202 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-IMAGE_SIZE = 32
-#: name -> RGB in [0, 1]
-COLOURS: dict[str, tuple[float, float, float]] = {
-    "red": (0.9, 0.1, 0.1),
-    "green": (0.1, 0.8, 0.2),
-    "blue": (0.15, 0.3, 0.95),
-    "yellow": (0.95, 0.9, 0.1),
-    "magenta": (0.9, 0.2, 0.9),
-    "cyan": (0.1, 0.9, 0.9),
-}
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
-#: name -> (x, y) centre in pixels
-POSITIONS: dict[str, tuple[float, float]] = {
-    "top left": (9.0, 9.0),
-    "top right": (23.0, 9.0),
-    "bottom left": (9.0, 23.0),
-    "bottom right": (23.0, 23.0),
-    "center": (16.0, 16.0),
-}
-PAD = "<pad>"
-VOCAB: tuple[str, ...] = (
-    PAD,
-    *COLOURS,
-    *SHAPES,
-    *dict.fromkeys(w for pos in POSITIONS for w in pos.split()),
-)
-MAX_TOKENS = 4
-_WORD_ID = {w: i for i, w in enumerate(VOCAB)}
-
-
-def tokenize(captions: Sequence[str]) -> torch.Tensor:
-    """Word ids of ``captions``, padded to ``MAX_TOKENS``: a (B, MAX_TOKENS) int64 tensor.
-
-    Raises:
-        ValueError: a word outside ``VOCAB`` or a caption longer than ``MAX_TOKENS`` words.
-    """
-    rows = []
-    for c in captions:
-        words = c.split()
-        if len(words) > MAX_TOKENS:
-            raise ValueError(f"caption {c!r} has {len(words)} words; at most {MAX_TOKENS}")
-        ids = []
-        for w in words:
-            if w not in _WORD_ID:
-                raise ValueError(f"word {w!r} of caption {c!r} is not in the vocabulary")
-            ids.append(_WORD_ID[w])
-        rows.append(ids + [0] * (MAX_TOKENS - len(ids)))
-    return torch.tensor(rows, dtype=torch.long).reshape(len(rows), MAX_TOKENS)
-
-
-# ---------------------------------------------------------------------------------------------- data
-
-
-def render(
-    colour: torch.Tensor, shape: torch.Tensor, position: torch.Tensor, jitter: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw shapes: indices into ``COLOURS``/``SHAPES``/``POSITIONS`` and ``jitter`` (B, 4) in [0, 1).
-
-    ``jitter`` columns: x offset, y offset, size, background brightness. Returns ``(images, masks)``,
-    images (B, 3, 32, 32) in [-1, 1] and masks (B, 1, 32, 32) with 1 inside the shape.
-    """
-    b = colour.shape[0]
-    centres = torch.tensor(list(POSITIONS.values()))[position]  # (B, 2)
-    cx = centres[:, 0] + (jitter[:, 0] - 0.5) * 4.0
-    cy = centres[:, 1] + (jitter[:, 1] - 0.5) * 4.0
-    r = 5.0 + 2.0 * jitter[:, 2]
-    coords = torch.arange(IMAGE_SIZE, dtype=torch.float32) + 0.5
-    dy = coords.view(1, -1, 1) - cy.view(-1, 1, 1)
-    dx = coords.view(1, 1, -1) - cx.view(-1, 1, 1)
-    rr = r.view(-1, 1, 1)
-    masks = torch.stack(
-        [
-            dx**2 + dy**2 <= rr**2,  # circle
-            torch.maximum(dx.abs(), dy.abs()) <= 0.85 * rr,  # square
-            (dy.abs() <= rr) & (dx.abs() <= (dy + rr) / 2),  # triangle, apex up
-            dx.abs() + dy.abs() <= 1.2 * rr,  # diamond
-        ],
-        dim=1,
-    )  # (B, 4, H, W)
-    mask = masks[torch.arange(b), shape].unsqueeze(1).float()
-    rgb = torch.tensor(list(COLOURS.values()))[colour].view(b, 3, 1, 1) * 2 - 1
-    background = (-0.7 + 0.3 * jitter[:, 3]).view(b, 1, 1, 1)
-    images = background * (1 - mask) + rgb * mask
-    return images, mask
-
-
-class NoiseSchedule:
-    """A DDPM-style noise schedule (cosine ``alpha_bar``) with ``num_steps`` timesteps.
-
-    Args:
-        num_steps: number of diffusion timesteps.
-
-    Example:
-        >>> s = NoiseSchedule(100)
-        >>> x0, noise = torch.zeros(2, 3, 4, 4), torch.ones(2, 3, 4, 4)
-        >>> s.add_noise(x0, noise, torch.tensor([0, 99])).shape
-        torch.Size([2, 3, 4, 4])
-    """
-
-    def __init__(self, num_steps: int = 100) -> None:
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
-            raise ValueError(f"`num_steps` must be an int >= 2, got {num_steps!r}")
-        self.num_steps = num_steps
-        s = 0.008
-        t = torch.arange(num_steps + 1, dtype=torch.float64) / num_steps
-        f = torch.cos((t + s) / (1 + s) * math.pi / 2) ** 2
-        betas = (1 - f[1:] / f[:-1]).clamp(max=0.999)
-        self.alphas_cumprod = torch.cumprod(1 - betas, 0).float()
-
-    def _abar(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return self.alphas_cumprod.to(like.device)[t.to(like.device)].view(-1, 1, 1, 1).to(like.dtype)
-
-    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """``sqrt(abar_t) * x0 + sqrt(1 - abar_t) * noise``."""
-        a = self._abar(t, x0)
-        return a.sqrt() * x0 + (1 - a).sqrt() * noise
-
-    def predict_x0(self, x_t: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The clean image implied by a noise prediction ``eps`` at timestep ``t``, clamped to [-1, 1]."""
-        a = self._abar(t, x_t)
-        return ((x_t - (1 - a).sqrt() * eps) / a.sqrt()).clamp(-1, 1)
-
-    @torch.no_grad()
-    def sample(
-        self,
-        eps_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        shape: Sequence[int],
-        generator: torch.Generator,
-        steps: int = 20,
-        device: torch.device | str | None = None,
-    ) -> torch.Tensor:
-        """Deterministic DDIM sampling from noise: ``eps_fn(x_t, t)`` predicts the noise."""
-        x = torch.randn(*shape, generator=generator).to(device)
-        ts = torch.linspace(self.num_steps - 1, 0, steps).round().long().tolist()
-        for k, t in enumerate(ts):
-            tt = torch.full((shape[0],), t, dtype=torch.long, device=x.device)
-            eps = eps_fn(x, tt).float()
-            x0 = self.predict_x0(x, eps, tt)
-            if k + 1 == len(ts):
-                return x0
-            a_prev = float(self.alphas_cumprod[ts[k + 1]])
-            x = math.sqrt(a_prev) * x0 + math.sqrt(1 - a_prev) * eps
-        return x
-
-
-SCHEDULE = NoiseSchedule(100)
-
-
-def make_batch(
-    batch_size: int,
-    generator: torch.Generator,
-    *,
-    device: torch.device | str | None = None,
-    schedule: NoiseSchedule | None = None,
-) -> dict[str, Any]:
-    """A batch of captioned shape images with masks and noise, deterministic for the generator's state.
-
-    Args:
-        batch_size: number of samples.
-        generator: a CPU ``torch.Generator`` (all sampling happens on CPU; tensors are then moved).
-        device: where the tensors go.
-        schedule: the noise schedule (``SCHEDULE`` by default).
-
-    Returns:
-        ``dict(tokens, images, masks, captions, timesteps, noise, noisy)``; see the module docstring.
-    """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}")
-    schedule = schedule or SCHEDULE
-    colour = torch.randint(len(COLOURS), (batch_size,), generator=generator)
-    shape = torch.randint(len(SHAPES), (batch_size,), generator=generator)
-    position = torch.randint(len(POSITIONS), (batch_size,), generator=generator)
-    jitter = torch.rand(batch_size, 4, generator=generator)
-    images, masks = render(colour, shape, position, jitter)
-    colours, positions = list(COLOURS), list(POSITIONS)
-    captions = [
-        f"{colours[c]} {SHAPES[s]} {positions[p]}"
-        for c, s, p in zip(colour.tolist(), shape.tolist(), position.tolist())
-    ]
-    timesteps = torch.randint(schedule.num_steps, (batch_size,), generator=generator)
-    noise = torch.randn(images.shape, generator=generator)
-    noisy = schedule.add_noise(images, noise, timesteps)
-    out: dict[str, Any] = {
-        "tokens": tokenize(captions),
-        "images": images,
-        "masks": masks,
-        "timesteps": timesteps,
-        "noise": noise,
-        "noisy": noisy,
-    }
-    out = {k: v.to(device) for k, v in out.items()}
-    out["captions"] = captions
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- models
+from .data import MAX_TOKENS, VOCAB
 
 
 def _maybe_checkpoint(owner: nn.Module, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -268,7 +66,7 @@ class TinyTextEncoder(nn.Module):
     """
 
     def __init__(
-        self, dim: int = 64, layers: int = 2, heads: int = 4, vocab_size: int = len(VOCAB), max_tokens: int = 4
+        self, dim: int = 64, layers: int = 2, heads: int = 4, vocab_size: int = len(VOCAB), max_tokens: int = MAX_TOKENS
     ) -> None:
         super().__init__()
         self.dim = dim

@@ -1,0 +1,62 @@
+"""`gradroute bench` end to end on CPU at tiny sizes: the report, exact strategies, the crash, checkpointing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gradroute.cli.main import main
+
+TINY_BENCH = ["--batch-size", "2", "--steps", "2", "--warmup", "0", "--device", "cpu"]
+EXACT = ("retain_twice", "freeze", "two_forward", "pruned", "cut", "gradroute")
+ALL = ("sum", "no_retain", *EXACT)
+
+
+def test_bench_sd_tiny_json_errors_and_crash(tmp_path, capsys):
+    path, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--workload", "sd-tiny", "--width", "8", *TINY_BENCH, "--json", str(path), "--plot", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| strategy |" in out and "gradroute" in out
+    report = json.loads(path.read_text())
+    assert {"workload", "device", "torch", "batch", "results"} <= set(report)
+    assert report["workload"] == "sd-tiny" and report["batch"] == 2 and report["torch"] == torch.__version__
+    res = report["results"]
+    assert tuple(res) == ALL
+    for s in (*EXACT, "sum"):
+        assert {"err", "ms", "ms_min", "peak_mib"} <= set(res[s]), s
+        assert "error" not in res[s], (s, res[s])
+        assert res[s]["ms_min"] <= res[s]["ms"]
+        assert res[s]["peak_mib"] is not None and res[s]["peak_mib"] >= 0
+    for s in EXACT:
+        assert res[s]["err"] <= 1e-5, (s, res[s]["err"])
+    assert res["sum"]["err"] > 0.1
+    assert "backward through the graph a second time" in res["no_retain"]["error"]
+    assert res["no_retain"]["err"] is None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("workload", ["gan", "actor-critic"])
+def test_bench_other_workloads_route_exactly(workload, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--workload", workload, "--width", "8", *TINY_BENCH, "--no-memory", "--json", str(path)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    res = json.loads(path.read_text())["results"]
+    for s in EXACT:
+        assert res[s]["err"] <= 1e-5, (s, res[s])
+    assert res["sum"]["err"] > 0.1  # each loss leaks into the other network
+
+
+def test_bench_checkpointing_on_sd_tiny(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--width", "8", *TINY_BENCH, "--checkpointing", "--no-memory", "--json", str(path)]
+    argv += ["--strategies", "sum,pruned,gradroute,gradroute_ckpt"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    report = json.loads(path.read_text())
+    assert report["checkpointing"] is True
+    for s in ("pruned", "gradroute", "gradroute_ckpt"):
+        assert report["results"][s]["err"] <= 1e-5, (s, report["results"][s])

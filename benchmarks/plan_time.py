@@ -30,7 +30,6 @@ import torch
 
 import gradroute
 from gradroute._planner import build
-
 from gradroute.cli import workloads
 
 

@@ -189,7 +189,7 @@ class GatedFF(nn.Module):
         h, gate = p.chunk(2, dim=-1)
         g = nn.functional.gelu(gate)
         if self.scale_in_place:
-            g.mul_(2.0)  # modified after it was made: its recipe would be wrong
+            g.mul_(2.0)  # modified after it was made: a remake would be wrong
         prod = h * torch.sigmoid(g) * g
         if torch._C._current_graph_task_id() != -1:  # a recomputation
             self.made += [

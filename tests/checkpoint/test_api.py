@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -192,7 +194,7 @@ def _compile(m: nn.Module) -> Any:
 @pytest.mark.parametrize("where", ["whole model", "segment", "inside a segment"])
 def test_torch_compile_with_segments_routes_exactly(where: str) -> None:
     # torch.compile around the model (it traces torch's checkpoint instead), a compiled module as the
-    # segment (plain tensors in, no recipes), a compiled module inside a segment (no recipes): all exact
+    # segment (plain tensors in, no remade tensors), a compiled module inside a segment (no remade tensors): all exact
     torch._dynamo.reset()
     tenc = nn.Linear(D, D).double()
     unet = _Two(_compile(GatedFF(D)) if where == "inside a segment" else None).double()
@@ -214,3 +216,10 @@ def test_torch_compile_with_segments_routes_exactly(where: str) -> None:
         for name, params in groups.items():
             for p, gr in zip(params, got[name], strict=True):
                 torch.testing.assert_close(gr, expected[id(p)], rtol=1e-9, atol=1e-12)
+
+
+def test_checkpointing_guide_example_runs() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "checkpointing.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 1, "docs/checkpointing.md holds exactly one python block"
+    exec(compile(blocks[0], "docs/checkpointing.md", "exec"), {})

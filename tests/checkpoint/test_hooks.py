@@ -93,7 +93,7 @@ def test_routed_backward_exit_drops_what_a_retained_graph_keeps() -> None:
         first = torch.autograd.grad(ls["unet"], params, retain_graph=True)
         again = torch.autograd.grad(ls["unet"], params, retain_graph=True)
         assert recomputed(unet) == [1, 1, 1]  # the second call is served the same recomputation
-        alive = [b.storages[0] for b in unet.blocks]  # tanh's outputs (dropout's are made again: a recipe)
+        alive = [b.storages[0] for b in unet.blocks]  # tanh's outputs (dropout's are remade: cheap ops)
         assert not any(s.expired() for s in alive)
     assert all(s.expired() for s in alive)  # graph still alive, recomputed tensors gone
     later = torch.autograd.grad(ls["unet"], params)  # a plain backward recomputes afresh

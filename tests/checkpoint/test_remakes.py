@@ -31,7 +31,7 @@ def _gated_losses(scale_in_place: bool) -> tuple[nn.Module, Callable[[], dict[st
 def test_shared_recomputation_drops_what_pointwise_ops_make_and_makes_it_again(scale_in_place: bool) -> None:
     # two engine calls through the same segments: the GELU and the gated product (pointwise ops and a view of
     # saved tensors) are dropped once the first call has used them and made again for the second; the
-    # projection's output (a matrix product) is kept between them. A GELU modified in place has no recipe.
+    # projection's output (a matrix product) is kept between them. A GELU modified in place is not remade.
     unet, _, groups, expected, ls = _gated_losses(scale_in_place)
     with _session.routed_backward(recipes_min_bytes=0):
         first = torch.autograd.grad(ls["unet"], groups["unet"], retain_graph=True)
@@ -51,7 +51,7 @@ def test_shared_recomputation_drops_what_pointwise_ops_make_and_makes_it_again(s
 
 
 def test_shared_recomputation_under_autocast_makes_the_same_tensors_again() -> None:
-    # the recipes record the ops after autocast's casts (bf16 here) and run them again outside autocast, even
+    # remakes record the ops after autocast's casts (bf16 here) and run them again outside autocast, even
     # when the routed backward itself is called under autocast: the gradients are those of torch's checkpoint
     tenc, unet = nn.Linear(D, D), nn.ModuleList(GatedFF(D) for _ in range(2))
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
@@ -81,7 +81,7 @@ def test_shared_recomputation_under_autocast_makes_the_same_tensors_again() -> N
 
 @pytest.mark.parametrize("min_bytes", [0, 10**9])
 def test_small_segments_keep_their_recomputation_between_calls(min_bytes: int) -> None:
-    # recipes cost host time on every op of the recomputation: segments saving less than the threshold keep
+    # remade tensors cost host time on every op of the recomputation: segments saving less than the threshold keep
     # everything between calls, like before; exact either way
     unet, forward, groups, expected, ls = _gated_losses(False)
     with _session.routed_backward(recipes_min_bytes=min_bytes):

@@ -110,7 +110,7 @@ def test_routed_calls_interleave_inside_one_segment_and_free_it_chunk_by_chunk(
     assert sum(map(len, made)) == 2 * 12  # one recomputation
     after_first = [n for n in live if n]
     # all 24 made at once, then freed in several steps (without chunks: all until one unet call frees them;
-    # dropout's outputs are dropped as soon as a call has used them and made again for the next: recipes)
+    # dropout's outputs are dropped as soon as a call has used them and made again for the next: remade tensors)
     assert 12 <= after_first[0] <= 24 and len(set(after_first)) >= 3 and live[-1] == 0, live
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
 

@@ -10,7 +10,7 @@ import torch
 from ._torch_private import CheckpointError, no_autocast, version
 
 # NOTE [Placeholder values]
-# A segment's nodes save a _Placeholder instead of each tensor (the pack hook of the original forward). The
+# A segment's nodes save a Placeholder instead of each tensor (the pack hook of the original forward). The
 # recomputation files the recomputed tensor into ``values[key]``, one entry per recomputation key (a routed
 # backward, or one engine call / GraphExecGroup outside one, see NOTE [Recomputation keys] in _hooks.py).
 # An entry is

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ._placeholder import Placeholder, Remake, map_args
-from ._torch_private import StorageWeakRef, TorchDispatchMode, storage_id, version
+from ._torch_private import StorageWeakRef, TorchDispatchMode, op_schema, storage_id, version
 
 #: cheap ops in a row a remake may chain
 _MAX_CHAIN = 4
@@ -63,7 +63,7 @@ def _weak(a: Any) -> Any:
 @functools.cache
 def _cheap(func: Any) -> bool:
     """A functional pointwise op (not random), a dtype cast (autocast's) or a view op: cheap to run again."""
-    schema = func._schema
+    schema = op_schema(func)
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags or func is torch.ops.aten.detach.default:
         return False  # (detach: the pack hooks' own)
     if func is _TO_COPY or torch.Tag.pointwise in func.tags:

@@ -42,6 +42,7 @@ __all__ = [
     "next_sequence_nr",
     "no_autocast",
     "noop_context_fn",
+    "op_schema",
     "queue_engine_callback",
     "set_device_states",
     "storage_id",
@@ -109,3 +110,8 @@ def storage_id(t: torch.Tensor) -> int:
 def version(t: torch.Tensor) -> int:
     """A tensor's version counter (bumped by each in-place op)."""
     return int(t._version)
+
+
+def op_schema(func: Any) -> Any:
+    """The schema of an ATen op overload (``torch._C.FunctionSchema``: ``is_mutable``, ``returns``)."""
+    return func._schema

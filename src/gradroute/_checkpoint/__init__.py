@@ -1,0 +1,19 @@
+"""Activation checkpointing whose recomputation is shared by all engine calls of one routed backward.
+
+User guide: docs/checkpointing.md. One mechanism per file:
+
+- ``_api.py``: the public functions (``checkpoint``, ``checkpoint_modules``, ``cut_points``);
+- ``_frame.py``: the frame (one ``checkpoint`` call) and its recomputation;
+- ``_hooks.py``: the saved-tensor hooks of the original forward, and the three unpack modes;
+- ``_placeholder.py``: what the graph saves in place of a tensor, and how a dropped one is remade;
+- ``_remakes.py``: the dispatch mode that records which saved tensors cheap ops made (remade tensors);
+- ``_views.py``: per-consumer views of a segment's inputs and outputs, and cut points;
+- ``_registry.py``: which sequence numbers belong to which live segment, per thread;
+- ``_queries.py``: what the planner asks (``segments``, ``held_bytes``, ``checkpoint_kind``);
+- ``_torch_private.py``: every private torch API the package uses.
+"""
+
+from ._api import checkpoint, checkpoint_modules, cut_points
+from ._queries import checkpoint_kind, held_bytes, segments
+
+__all__ = ["checkpoint", "checkpoint_kind", "checkpoint_modules", "cut_points", "held_bytes", "segments"]

@@ -1,0 +1,98 @@
+"""The segment registry: which autograd nodes belong to which live checkpointed segment, for the planner.
+
+NOTE [Segments by sequence number]
+The planner must know which nodes of the graph it plans belong to which ``gradroute.checkpoint`` segment (to
+cut shared segments into chunks, and to weigh what a shared recomputation holds). A segment's nodes are the
+ones created between two autograd sequence numbers: ``checkpoint`` reads the next number before and after
+the forward, and a node belongs to the segment whose range ``[first, end)`` holds its ``_sequence_nr()``.
+Nested segments are reported as their outermost one. A range is kept while its frame lives (the frame lives
+while the segment's nodes do), weakly; the record is pruned when it has grown past twice its live size
+after the last prune, so forwards that are never routed (or whose plan comes from the cache) do not grow it.
+
+NOTE [Segment registry per thread]
+Autograd's sequence numbers are per thread: two threads number their nodes from the same counter values, so
+one process-wide list of ranges would mix them up (a node of thread B taken for a member of thread A's
+segment). Each thread records its segments in a registry of its own; a placeholder (what a segment's nodes
+save) knows its thread's registry, so the planner can ask for the segments of the graph it plans:
+``segments(nodes)`` looks up the registries of the placeholders those nodes saved. Without nodes,
+``segments()`` answers with the calling thread's registry: right whenever the graph was built in the thread
+that plans it (the router's case: forward and backward in one thread). If one graph holds segments that
+several threads recorded and their ranges overlap, sequence numbers cannot tell them apart: ``segments``
+then reports none, and the planner plans as for a graph without segments (exact; each shared segment still
+recomputed once per routed backward, not interleaved chunk by chunk). A registry is an object, not the
+thread's ident: idents are reused when a thread ends, while its segments may live on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+_MIN_PRUNE_AT = 64
+
+
+class SegmentRegistry:
+    """The sequence-number ranges of one thread's live checkpointed segments.
+
+    Written by its own thread (:meth:`record`), read by any (the planner's); a lock keeps the two apart.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[int, int, weakref.ref[Any]]] = []
+        self._prune_at = _MIN_PRUNE_AT  # twice the live count after the last prune, at least 64
+        self._lock = threading.Lock()
+
+    def record(self, first: int, end: int, frame: Any) -> None:
+        """Remember a segment's range ``[first, end)`` while ``frame`` lives (amortised pruning)."""
+        with self._lock:
+            self._entries.append((first, end, weakref.ref(frame)))
+            if len(self._entries) > self._prune_at:
+                self._prune()
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The live segments' ranges, nested ones reported as their outermost one, sorted."""
+        with self._lock:
+            live = self._prune()
+        out: list[tuple[int, int]] = []
+        for a, b, _ in live:  # appended in forward order: a nested segment ends before its parent does
+            while out and out[-1][0] >= a:
+                out.pop()
+            out.append((a, b))
+        return sorted(out)
+
+    def frames(self) -> list[Any]:
+        """The live segments' frames, in forward order."""
+        with self._lock:
+            return [f for f in (ref() for _, _, ref in self._entries) if f is not None]
+
+    def __len__(self) -> int:
+        """How many ranges are recorded (live or not yet pruned)."""
+        return len(self._entries)
+
+    def _prune(self) -> list[tuple[int, int, weakref.ref[Any]]]:
+        self._entries = [(a, b, f) for a, b, f in self._entries if f() is not None]
+        self._prune_at = max(_MIN_PRUNE_AT, 2 * len(self._entries))
+        return self._entries
+
+
+_local = threading.local()
+
+
+def this_thread() -> SegmentRegistry:
+    """The calling thread's registry (made on first use)."""
+    registry: SegmentRegistry | None = getattr(_local, "registry", None)
+    if registry is None:
+        registry = _local.registry = SegmentRegistry()
+    return registry
+
+
+def merged_ranges(registries: Iterable[SegmentRegistry]) -> list[tuple[int, int]]:
+    """The ranges of all ``registries``, sorted; none if two registries' ranges overlap (see NOTE [Segment
+    registry per thread])."""
+    out = sorted(r for registry in registries for r in registry.ranges())
+    if any(b > c for (_, b), (c, _) in itertools.pairwise(out)):
+        return []
+    return out

@@ -1,0 +1,84 @@
+"""Per-consumer views: a segment's inputs and outputs hand every op that consumes them a view of its own.
+
+NOTE [Why a view per consumer]
+The router interleaves its passes through a shared segment chunk by chunk (``PlanOptions.chunk``), which
+needs cuts between the chunks, and a cut is a ``GradientEdge``: it captures the sum of everything flowing
+into a node input. A tensor consumed by ops on both sides of a cut line would merge both sides' gradients
+into one node input, and the line could not be cut. So every edge into and out of a segment gets an autograd
+node of its own: the tensors a segment takes and returns become ``SegmentTensor``s, and each op that
+consumes one consumes a fresh ``view_as`` of it. ``cut_points`` does the same for chosen modules' outputs
+outside any segment (diffusers' skip connections leave from un-checkpointed modules).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ._torch_private import disable_torch_function_subclass, is_optimized_module, tree_map
+
+
+class SegmentTensor(torch.Tensor):
+    """A tensor a checkpointed segment took or returned: every op that consumes it consumes a view of its own.
+
+    The ops return plain tensors; attribute reads (``.shape``, ``.grad_fn``, ...) see the tensor itself.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with disable_torch_function_subclass():
+            if func not in _ON_THE_TENSOR and getattr(func, "__name__", "") != "__get__" and torch.is_grad_enabled():
+                args, kwargs = tree_map(_own_view, (args, kwargs))
+            return func(*args, **kwargs)
+
+
+# methods that act on the tensor itself, not ops that consume it (a hook on a fresh view would never fire)
+_ON_THE_TENSOR = frozenset(
+    {
+        torch.Tensor.register_hook,
+        torch.Tensor.retain_grad,
+        torch.Tensor.register_post_accumulate_grad_hook,
+        torch.Tensor.requires_grad_,
+    }
+)
+
+
+def _own_view(x: Any) -> Any:
+    return x.view_as(x) if isinstance(x, SegmentTensor) else x
+
+
+def consumer_views(x: Any) -> Any:
+    """A segment's input or output as a :class:`SegmentTensor` (every consuming op gets a view of its own)."""
+    if (
+        isinstance(x, torch.Tensor)
+        and x.requires_grad
+        and type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+    ):
+        return x.as_subclass(SegmentTensor)
+    return x
+
+
+def plain(x: Any) -> Any:
+    """``x`` as a plain tensor if it is a :class:`SegmentTensor` (compiled code cannot take the subclass)."""
+    return x.as_subclass(torch.Tensor) if isinstance(x, SegmentTensor) else x
+
+
+def view_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: the module's outputs hand each consumer a view of its own (:func:`cut_points`)."""
+    return tree_map(consumer_views, output)
+
+
+def compiled(fn: Any, inside: bool = False) -> bool:
+    """Whether ``fn`` is code compiled by ``torch.compile`` (a compiled module or function, or a module whose
+    ``compile()`` was called), looking through ``functools.partial`` and bound methods; ``inside``: or a
+    module with such a submodule."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__self__", fn)
+    if inside and isinstance(fn, torch.nn.Module):
+        return any(compiled(m) for m in fn.modules())
+    return is_optimized_module(fn)

@@ -1,0 +1,239 @@
+"""Models, forwards and probes shared by the checkpoint tests."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import gradroute
+from gradroute import _session
+from gradroute._checkpoint import checkpoint_kind
+from gradroute._checkpoint._registry import this_thread
+
+CK = Callable[..., Any]
+
+
+torch_ck: CK = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+
+CKS = {"gradroute": gradroute.checkpoint, "torch": torch_ck}
+
+
+class Block(nn.Module):
+    """A residual MLP block with dropout; counts its calls made during a routed backward (recomputations)."""
+
+    def __init__(self, d: int, p: float = 0.25) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(d, 2 * d)
+        self.lin2 = nn.Linear(2 * d, d)
+        self.p = p
+        self.recomputed = 0
+        self.storages: list[StorageWeakRef] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.tanh(self.lin1(x))
+        h = nn.functional.dropout(a, self.p, training=True)
+        if _session.current() is not None:  # only recomputations run inside a routed backward
+            self.recomputed += 1
+        if torch._C._current_graph_task_id() != -1:  # a recomputation: keep an eye on two saved tensors
+            self.storages += [StorageWeakRef(t.untyped_storage()) for t in (a, h)]
+        return x + self.lin2(h)
+
+
+class Net(nn.Module):
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor, ck: CK | None) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x) if ck is None else ck(b, x)
+        return x
+
+
+D = 6
+
+
+def make() -> tuple[Net, Net]:
+    return Net(D, 2).double(), Net(D, 3).double()
+
+
+def losses(tenc: Net, unet: Net, ck: CK | None, seed: int = 7) -> dict[str, torch.Tensor]:
+    """The tenc -> unet chain with a masked loss; reseeds so dropout draws the same masks every call."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, D, generator=g, dtype=torch.float64)
+    target = torch.randn(5, D, generator=g, dtype=torch.float64)
+    mask = (torch.rand(5, D, generator=g) > 0.5).double()
+    torch.manual_seed(seed)
+    loss = (unet(tenc(x, ck), ck) - target) ** 2
+    return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
+
+
+def recomputed(net: Net) -> list[int]:
+    return [b.recomputed for b in net.blocks]
+
+
+def sd_tiny(ck: CK) -> tuple[nn.Module, nn.Module, Callable[[], dict[str, torch.Tensor]]]:
+    """diffusers UNet2DConditionModel + transformers CLIPTextModel, tiny, float64, with their own switches."""
+    diffusers = pytest.importorskip("diffusers")
+    transformers = pytest.importorskip("transformers")
+    from gradroute._workloads import sd15_configs
+
+    unet_config, text_config = sd15_configs("tiny")  # the bench's tiny SD-1.5 block types
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(**unet_config).double()
+    config = transformers.CLIPTextConfig(
+        **{
+            **text_config,
+            "vocab_size": 100,
+            "max_position_embeddings": 16,
+            "attention_dropout": 0.1,  # RNG inside the text encoder's checkpointed layers
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 1,
+        }
+    )
+    tenc = transformers.CLIPTextModel(config).double()
+    unet.train()
+    tenc.train()
+    unet.enable_gradient_checkpointing(gradient_checkpointing_func=ck)
+    tenc._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=ck)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(2, 100, (2, 16), generator=g)
+    noisy = torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64)
+    noise = torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64)
+    t = torch.tensor([10, 500])
+    mask = (torch.rand(2, 1, 8, 8, generator=g) > 0.5).double()
+
+    def forward() -> dict[str, torch.Tensor]:
+        torch.manual_seed(5)
+        h = tenc(input_ids=tokens).last_hidden_state
+        pred = unet(noisy, t, encoder_hidden_states=h).sample
+        loss = nn.functional.mse_loss(pred, noise, reduction="none")
+        return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
+
+    return tenc, unet, forward
+
+
+def counting(ck: CK, counts: dict[str, list[int]]) -> CK:
+    """``ck`` that counts, per checkpointed segment, the recomputations run inside a routed backward."""
+
+    def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        owner = getattr(fn, "__self__", fn)  # diffusers passes the module, transformers a partial
+        owner = getattr(owner, "args", [owner])[0] if isinstance(owner, functools.partial) else owner
+        side = "unet" if type(owner).__module__.startswith("diffusers") else "tenc"
+        slot = len(counts[side])
+        counts[side].append(0)
+
+        def counted(*a: Any, **k: Any) -> Any:
+            if _session.current() is not None:
+                counts[side][slot] += 1
+            return fn(*a, **k)
+
+        return ck(counted, *args, **kwargs)
+
+    return run
+
+
+def live_recomputations() -> int:
+    """How many of this thread's checkpointed segments hold recomputed tensors right now."""
+    n = 0
+    for frame in this_thread().frames():
+        placeholders = [ref() for ref in frame.placeholders]
+        if any(p is not None and any(v is not None for v in p.values.values()) for p in placeholders):
+            n += 1
+    return n
+
+
+def backward_sampling_live(
+    monkeypatch: pytest.MonkeyPatch,
+    router: gradroute.Router,
+    losses: dict[str, torch.Tensor],
+    count: Callable[[], int] = live_recomputations,
+) -> list[int]:
+    """Run ``router.backward(**losses)``; after each engine call, ``count()`` (by default: the segments holding
+    recomputations)."""
+    live: list[int] = []
+    for name in ("grad", "backward"):
+        engine = getattr(torch.autograd, name)
+
+        def sampled(*args: Any, _engine: Any = engine, **kwargs: Any) -> Any:
+            out = _engine(*args, **kwargs)
+            live.append(count())
+            return out
+
+        monkeypatch.setattr(torch.autograd, name, sampled)
+    router.backward(**losses)
+    monkeypatch.undo()
+    return live
+
+
+class GatedFF(nn.Module):
+    """A diffusers-style gated feed-forward: what a pointwise op makes here from saved tensors is cheap to redo."""
+
+    def __init__(self, d: int, scale_in_place: bool = False) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, 8 * d)
+        self.out = nn.Linear(4 * d, d)
+        self.scale_in_place = scale_in_place
+        self.made: list[tuple[str, StorageWeakRef]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.proj(x)
+        h, gate = p.chunk(2, dim=-1)
+        g = nn.functional.gelu(gate)
+        if self.scale_in_place:
+            g.mul_(2.0)  # modified after it was made: a remake would be wrong
+        prod = h * torch.sigmoid(g) * g
+        if torch._C._current_graph_task_id() != -1:  # a recomputation
+            self.made += [
+                (n, StorageWeakRef(t.untyped_storage())) for n, t in (("proj", p), ("gelu", g), ("prod", prod))
+            ]
+        return x + self.out(prod)
+
+
+def gated(scale_in_place: bool) -> tuple[nn.Module, nn.Module, Callable[[], dict[str, torch.Tensor]]]:
+    tenc = nn.Linear(D, D).double()
+    unet = nn.ModuleList(GatedFF(D, scale_in_place) for _ in range(2)).double()
+
+    def forward() -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(5)
+        x, target = torch.randn(3, 4, D, generator=g, dtype=torch.float64), torch.randn(3, 4, D, generator=g)
+        h = tenc(x)
+        for m in unet:
+            h = gradroute.checkpoint(m, h)
+        loss = (h - target.double()) ** 2
+        return {"tenc": loss.mean(), "unet": loss[:, :2].mean()}
+
+    return tenc, unet, forward
+
+
+class Counted:
+    """``fn`` that counts every call (forward and recomputations)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def checkpoint_kinds(t: torch.Tensor) -> set[str | None]:
+    """The checkpoint kinds of the nodes of the graph below ``t``."""
+    seen, stack, kinds = set(), [t.grad_fn], set()
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        kinds.add(checkpoint_kind(n))
+        stack.extend(f for f, _ in n.next_functions)
+    return kinds

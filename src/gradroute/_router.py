@@ -24,7 +24,7 @@ LossLike = torch.Tensor | Sequence[torch.Tensor]
 # what the planner reads about gradroute.checkpoint segments (it imports nothing of the checkpoint module);
 # looked up at call time, so the planner sees the module's functions as they are then
 _CHECKPOINTS = Checkpoints(
-    segments=lambda: _checkpoint.segments(), node_bytes=lambda node: _checkpoint.held_bytes(node)
+    segments=lambda nodes: _checkpoint.segments(nodes), node_bytes=lambda node: _checkpoint.held_bytes(node)
 )
 
 

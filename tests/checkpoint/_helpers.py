@@ -83,7 +83,7 @@ def sd_tiny(ck: CK) -> tuple[nn.Module, nn.Module, Callable[[], dict[str, torch.
     """diffusers UNet2DConditionModel + transformers CLIPTextModel, tiny, float64, with their own switches."""
     diffusers = pytest.importorskip("diffusers")
     transformers = pytest.importorskip("transformers")
-    from gradroute._workloads import sd15_configs
+    from gradroute.cli.workloads.sd15 import sd15_configs
 
     unet_config, text_config = sd15_configs("tiny")  # the bench's tiny SD-1.5 block types
     torch.manual_seed(0)

@@ -48,7 +48,8 @@ def test_segment_ops_see_the_same_tensors_and_route_exactly(chunk: int | None) -
 
 
 def test_routed_calls_interleave_per_segment_and_free_each_recomputation(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gradroute._demo_models import make_batch, make_models, route_losses
+    from gradroute.cli.data import make_batch
+    from gradroute.cli.models import make_models, route_losses
 
     f64 = torch.float64
     tenc, unet = (m.to(f64) for m in make_models(seed=0, width=8))
@@ -138,7 +139,7 @@ def test_checkpoint_modules_lets_the_router_interleave_diffusers_blocks(monkeypa
 def test_cut_points_let_diffusers_per_layer_segments_share_one_recomputation(monkeypatch: pytest.MonkeyPatch) -> None:
     counts: dict[str, list[int]] = {"tenc": [], "unet": []}
     tenc, unet, forward = sd_tiny(counting(gradroute.checkpoint, counts))
-    from gradroute._workloads import unet_cut_points
+    from gradroute.cli.workloads.sd15 import unet_cut_points
 
     handles = gradroute.cut_points(*unet_cut_points(unet))
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}

@@ -36,7 +36,7 @@ def test_analyse_plans_the_chain() -> None:
 def test_analyse_reads_the_segments_it_is_given() -> None:
     g, params = chain()
     # nodes 2 and 4 (sequence numbers 4 and 2) in one segment, 100 bytes each: a retaining call holds them
-    segments = Checkpoints(segments=lambda: [(2, 5)], node_bytes=lambda node: 100)
+    segments = Checkpoints(segments=lambda nodes: [(2, 5)], node_bytes=lambda node: 100)
     planned = analyse(g, NAMES, params, ROOTS, merge_shared=True, options=PlanOptions(held_factor=0.0))
     assert planned.plan.notes == ()
     planned = analyse(

@@ -41,16 +41,17 @@ class Checkpoints:
     """What the planner reads about ``gradroute.checkpoint`` segments, passed in by the caller.
 
     Attributes:
-        segments: returns the live segments' sequence-number ranges ``[first, end)``, sorted (called on a
-            cache miss only).
+        segments: ``nodes -> `` the sequence-number ranges ``[first, end)`` of the live segments recorded by
+            the threads that made ``nodes`` (the graph's nodes; sequence numbers are per thread), sorted (called
+            on a cache miss only).
         node_bytes: ``node -> bytes`` a recomputation of the node's segment keeps alive for it.
     """
 
-    segments: Callable[[], Sequence[tuple[int, int]]]
+    segments: Callable[[Sequence[object]], Sequence[tuple[int, int]]]
     node_bytes: Callable[[object], int]
 
 
-NO_CHECKPOINTS = Checkpoints(segments=lambda: (), node_bytes=lambda node: 0)
+NO_CHECKPOINTS = Checkpoints(segments=lambda nodes: (), node_bytes=lambda node: 0)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def analyse(
         )
         for k in order
     ]
-    ranges = checkpoints.segments()
+    ranges = checkpoints.segments(g.nodes)
     chunk_of = chunk_shared_segments(g, need.needed_by, ranges, options.chunk) if options.interleave else {}
     staged = _stage_all(g, inputs, need, last, chunk_of, roots)
     per_call = recompute_per_call(g, staged.members, ranges, checkpoints.node_bytes, options.held_factor)

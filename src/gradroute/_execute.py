@@ -15,7 +15,21 @@ _FREED = "backward through the graph a second time"
 
 
 class GraphFreedError(RuntimeError):
-    """A routed loss's autograd graph was already freed by an earlier backward."""
+    """A routed loss's autograd graph was already freed by an earlier backward.
+
+    Raised before any ``.grad`` is touched.
+
+    Example:
+        >>> import torch, gradroute
+        >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        >>> loss = unet(tenc(torch.randn(2, 4))).sum()
+        >>> loss.backward()
+        >>> try:
+        ...     gradroute.Router(tenc=tenc, unet=unet).backward(tenc=loss, unet=loss)
+        ... except gradroute.GraphFreedError as e:
+        ...     print(str(e).split(":")[0])
+        loss for group `tenc`
+    """
 
 
 def freed_message(what: str) -> str:

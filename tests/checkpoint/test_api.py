@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -216,10 +214,3 @@ def test_torch_compile_with_segments_routes_exactly(where: str) -> None:
         for name, params in groups.items():
             for p, gr in zip(params, got[name], strict=True):
                 torch.testing.assert_close(gr, expected[id(p)], rtol=1e-9, atol=1e-12)
-
-
-def test_checkpointing_guide_example_runs() -> None:
-    text = (Path(__file__).resolve().parents[2] / "docs" / "checkpointing.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 1, "docs/checkpointing.md holds exactly one python block"
-    exec(compile(blocks[0], "docs/checkpointing.md", "exec"), {})

@@ -45,6 +45,14 @@ class Call:
         params: how many parameters receive gradient in this call.
         nodes: how many autograd nodes this call executes.
         wiring: the node ids the executor needs (internal; not part of equality or ``repr``).
+
+    Example:
+        >>> import torch, gradroute
+        >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        >>> loss = unet(tenc(torch.randn(2, 4))).pow(2)
+        >>> plan = gradroute.Router(tenc=tenc, unet=unet).plan(tenc=loss.mean(), unet=loss[0].mean())
+        >>> [(c.index, c.groups, c.retain, c.edges_out) for c in plan.calls]
+        [(1, ('tenc',), True, 1), (2, ('unet',), False, 0), (3, ('tenc',), False, 0)]
     """
 
     index: int
@@ -95,6 +103,14 @@ class Plan:
         notes: remarks on how checkpointed segments are handled (shared chunk by chunk, recomputed once per
             call, or recomputed per call by ``torch.utils.checkpoint``), one sentence each; ``str(plan)``
             prints them last.
+
+    Example:
+        >>> import torch, gradroute
+        >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        >>> loss = unet(tenc(torch.randn(2, 4))).pow(2)
+        >>> plan = gradroute.Router(tenc=tenc, unet=unet).plan(tenc=loss.mean(), unet=loss[0].mean())
+        >>> plan.passes, plan.leaks["tenc"], len(plan.calls)
+        ((('tenc',), ('unet',)), ('unet',), 3)
     """
 
     groups: tuple[str, ...]

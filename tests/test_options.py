@@ -17,7 +17,7 @@ import gradroute
         ({"held_factor": -1.0}, ValueError, "`held_factor` must be at least 0, got -1.0"),
         ({"held_factor": "2"}, TypeError, "`held_factor` must be a number, got str"),
         ({"interleave": 1}, TypeError, "`interleave` must be a bool, got int"),
-        ({"recipes_min_bytes": -1}, ValueError, "`recipes_min_bytes` must be at least 0, got -1"),
+        ({"remake_min_bytes": -1}, ValueError, "`remake_min_bytes` must be at least 0, got -1"),
     ],
 )
 def test_plan_options_bad_value_fails(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

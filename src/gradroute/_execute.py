@@ -96,21 +96,21 @@ def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
 
 
 def execute(
-    program: Program, *, accumulate: bool, recipes_min_bytes: int = PlanOptions.recipes_min_bytes
+    program: Program, *, accumulate: bool, remake_min_bytes: int = PlanOptions.remake_min_bytes
 ) -> list[dict[int, torch.Tensor]]:
     """Run ``program``.
 
     Args:
         program: what ``_planner.build`` returned.
         accumulate: add into ``.grad`` (``Router.backward``); otherwise collect (``Router.grads``).
-        recipes_min_bytes: :attr:`gradroute.PlanOptions.recipes_min_bytes`, for ``gradroute.checkpoint``.
+        remake_min_bytes: :attr:`gradroute.PlanOptions.remake_min_bytes`, for ``gradroute.checkpoint``.
 
     Returns:
         With ``accumulate=False``: per route, ``id(param) -> gradient``. Otherwise empty dicts.
     """
     nodes = program.graph.nodes
     per_call = {nodes[i] for i in program.planned.per_call}
-    with routed_backward(recipes_min_bytes, recompute_per_call=per_call):
+    with routed_backward(remake_min_bytes, recompute_per_call=per_call):
         return _run(program, accumulate)
 
 

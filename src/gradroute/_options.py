@@ -17,7 +17,7 @@ class PlanOptions:
             calls before the segments holding the most are recomputed once per call instead of shared.
         interleave: cut and interleave the passes through shared checkpoint segments at all (switched off
             automatically under FSDP2).
-        recipes_min_bytes: a shared recomputation drops the tensors that cheap ops made from other saved
+        remake_min_bytes: a shared recomputation drops the tensors that cheap ops made from other saved
             tensors once each engine call has used them, and makes them again for the next, only in segments
             that save at least this many bytes.
 
@@ -32,17 +32,17 @@ class PlanOptions:
     chunk: int = 20
     held_factor: float = 2.0
     interleave: bool = True
-    recipes_min_bytes: int = 16 * 2**20
+    remake_min_bytes: int = 16 * 2**20
 
     def __post_init__(self) -> None:
-        for name in ("chunk", "recipes_min_bytes"):
+        for name in ("chunk", "remake_min_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"`{name}` must be an int, got {type(value).__name__} ({value!r})")
         if self.chunk < 1:
             raise ValueError(f"`chunk` must be at least 1, got {self.chunk}")
-        if self.recipes_min_bytes < 0:
-            raise ValueError(f"`recipes_min_bytes` must be at least 0, got {self.recipes_min_bytes}")
+        if self.remake_min_bytes < 0:
+            raise ValueError(f"`remake_min_bytes` must be at least 0, got {self.remake_min_bytes}")
         if isinstance(self.held_factor, bool) or not isinstance(self.held_factor, (int, float)):
             raise TypeError(f"`held_factor` must be a number, got {type(self.held_factor).__name__}")
         if self.held_factor < 0:

@@ -139,7 +139,7 @@ class Router:
         routes = self._routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(routes)
         program = self._program(routes, merge_shared=True)
-        execute(program, accumulate=True, recipes_min_bytes=self._options.recipes_min_bytes)
+        execute(program, accumulate=True, remake_min_bytes=self._options.remake_min_bytes)
         del program
         self._stepper.after_backward(routes)
 
@@ -154,7 +154,7 @@ class Router:
         """
         routes = self._routes(losses, named_losses, "grads")
         program = self._program(routes, merge_shared=False)
-        collected = execute(program, accumulate=False, recipes_min_bytes=self._options.recipes_min_bytes)
+        collected = execute(program, accumulate=False, remake_min_bytes=self._options.remake_min_bytes)
         del program
         return {r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)}
 

@@ -15,12 +15,12 @@ from ._options import PlanOptions
 class Session:
     """One ``Router.backward``/``Router.grads`` call. ``on_exit`` callbacks run when the call returns."""
 
-    def __init__(self, recipes_min_bytes: int) -> None:
+    def __init__(self, remake_min_bytes: int) -> None:
         self.on_exit: list = []
         # autograd nodes whose gradroute.checkpoint segment is recomputed once per engine call, not shared
         self.recompute_per_call: set = set()
-        # PlanOptions.recipes_min_bytes of the router running this backward
-        self.recipes_min_bytes = recipes_min_bytes
+        # PlanOptions.remake_min_bytes of the router running this backward
+        self.remake_min_bytes = remake_min_bytes
 
 
 _current: Session | None = None
@@ -33,11 +33,11 @@ def current() -> Session | None:
 
 @contextmanager
 def routed_backward(
-    recipes_min_bytes: int = PlanOptions.recipes_min_bytes, recompute_per_call: set | None = None
+    remake_min_bytes: int = PlanOptions.remake_min_bytes, recompute_per_call: set | None = None
 ) -> Iterator[Session]:
     global _current
     outer = _current
-    session = Session(recipes_min_bytes)
+    session = Session(remake_min_bytes)
     session.recompute_per_call = recompute_per_call or set()
     _current = session
     try:

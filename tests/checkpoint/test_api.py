@@ -208,7 +208,7 @@ def test_torch_compile_with_segments_routes_exactly(where: str) -> None:
         return {"tenc": loss.mean(), "unet": loss[:, :2].mean()}
 
     expected = reference_grads(lambda: forward(run), groups)
-    router = gradroute.Router(**groups, plan_options=gradroute.PlanOptions(recipes_min_bytes=0))
+    router = gradroute.Router(**groups, plan_options=gradroute.PlanOptions(remake_min_bytes=0))
     for _ in range(2):  # the second step runs the cached compiled code
         got = router.grads(**forward(run))
         for name, params in groups.items():

@@ -33,7 +33,7 @@ def test_shared_recomputation_drops_what_pointwise_ops_make_and_makes_it_again(s
     # saved tensors) are dropped once the first call has used them and made again for the second; the
     # projection's output (a matrix product) is kept between them. A GELU modified in place is not remade.
     unet, _, groups, expected, ls = _gated_losses(scale_in_place)
-    with _session.routed_backward(recipes_min_bytes=0):
+    with _session.routed_backward(remake_min_bytes=0):
         first = torch.autograd.grad(ls["unet"], groups["unet"], retain_graph=True)
         made = {n: [s for m in unet for k, s in m.made if k == n] for n in ("proj", "gelu", "prod")}
         assert [len(v) for v in made.values()] == [2, 2, 2]  # one recomputation
@@ -66,7 +66,7 @@ def test_shared_recomputation_under_autocast_makes_the_same_tensors_again() -> N
         loss = (h.float() - target) ** 2
         return {"tenc": loss.mean(), "unet": loss[:, :2].mean()}
 
-    router = gradroute.Router(**groups, plan_options=gradroute.PlanOptions(recipes_min_bytes=0))
+    router = gradroute.Router(**groups, plan_options=gradroute.PlanOptions(remake_min_bytes=0))
     expected = router.grads(**forward(torch_ck))
     for m in unet:
         m.made.clear()
@@ -84,10 +84,10 @@ def test_small_segments_keep_their_recomputation_between_calls(min_bytes: int) -
     # remade tensors cost host time on every op of the recomputation: segments saving less than the threshold keep
     # everything between calls, like before; exact either way
     unet, forward, groups, expected, ls = _gated_losses(False)
-    with _session.routed_backward(recipes_min_bytes=min_bytes):
+    with _session.routed_backward(remake_min_bytes=min_bytes):
         torch.autograd.grad(ls["unet"], groups["unet"], retain_graph=True)
         prods = [s for m in unet for k, s in m.made if k == "prod"]
         assert len(prods) == 2 and [s.expired() for s in prods] == [min_bytes == 0] * 2
-    router = gradroute.Router(**groups, plan_options=gradroute.PlanOptions(recipes_min_bytes=min_bytes))
+    router = gradroute.Router(**groups, plan_options=gradroute.PlanOptions(remake_min_bytes=min_bytes))
     router.backward(**forward())
     assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)

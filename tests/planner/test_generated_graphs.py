@@ -154,7 +154,7 @@ def _check(case):
     if case.get("chunk"):
         options = dataclasses.replace(options, chunk=case["chunk"])
     if case.get("recipes"):
-        options = dataclasses.replace(options, recipes_min_bytes=0)
+        options = dataclasses.replace(options, remake_min_bytes=0)
     forward, groups, params = _build(case)
     routed = {name: loss for name, loss in forward().items() if name in groups}
     names = list(routed)

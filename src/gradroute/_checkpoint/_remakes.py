@@ -13,7 +13,7 @@ strides, dtype), not by object: autograd hands views on as new objects.
 
 The price is a Python dispatch mode during shared recomputations (a few µs per op; SD-1.5 shapes only: about
 0.09 s more host time in a 1.2 s routed backward, see BENCHMARKS.md) and the cheap ops run once more per
-call; so only segments that save ``PlanOptions.recipes_min_bytes`` or more record remakes (sd-tiny's do not:
+call; so only segments that save ``PlanOptions.remake_min_bytes`` or more record remakes (sd-tiny's do not:
 they cost it 6% of a step and saved nothing).
 """
 

@@ -8,6 +8,7 @@ from . import schedules
 from ._checkpoint import checkpoint, checkpoint_modules, cut_points
 from ._execute import GraphFreedError
 from ._group import Group
+from ._hf import enable_checkpointing
 from ._options import PlanOptions
 from ._planner import Call, Plan
 from ._router import Router
@@ -25,6 +26,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_modules",
     "cut_points",
+    "enable_checkpointing",
     "schedules",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._accelerate import scheduler_optimizer
+
 #: A hook that sees a group's unscaled routed gradients before clipping and stepping. It receives the group's
 #: parameters (those with a gradient) and may change their ``.grad`` in place.
 GradHook = Callable[[Sequence[torch.Tensor]], None]
@@ -159,9 +161,22 @@ def scheduler_mismatch(name: str, groups: Mapping[str, Group]) -> str | None:
         return None
     if group.optimizer is None:
         return f"group `{name}` has a `scheduler` but no `optimizer`; give the optimizer it is bound to"
-    bound = getattr(sched, "optimizer", None)
+    bound = scheduler_optimizer(sched)
     if bound is group.optimizer:
         return None
+    kind = type(sched).__name__
     owner = next((n for n, g in groups.items() if g.optimizer is not None and g.optimizer is bound), None)
-    where = f"the optimizer of group `{owner}`" if owner else "an optimizer that is not this group's"
-    return f"the scheduler of group `{name}` is bound to {where}, not to group `{name}`'s optimizer"
+    if owner is not None:
+        return (
+            f"the scheduler of group `{name}` is bound to the optimizer of group `{owner}`; give each group a "
+            "scheduler built on its own optimizer"
+        )
+    if bound is None:
+        return (
+            f"the scheduler of group `{name}` ({kind}) has no `optimizer` attribute; give an LR scheduler built on "
+            f"group `{name}`'s optimizer"
+        )
+    return (
+        f"the scheduler of group `{name}` ({kind}) is bound to a {type(bound).__name__} that is not group "
+        f"`{name}`'s optimizer; build it on that optimizer"
+    )

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import _checkpoint
+from ._accelerate import adopt_prepared, check_backward, link_accelerator
 from ._distributed import live_params
 from ._execute import GraphFreedError, execute, freed_message
 from ._graph import saved_attrs
@@ -47,6 +48,11 @@ class Router:
         allow_unreached: by default a loss that reaches none of its group's parameters is an error (almost
             always a stray ``.detach()``). ``True`` allows it for every group, or give the group names.
         plan_options: the planner's settings (:class:`gradroute.PlanOptions`); the defaults suit most graphs.
+        accelerator: an ``accelerate.Accelerator``: :meth:`backward` then does for each loss what
+            ``accelerator.backward(loss)`` does (divides by its ``gradient_accumulation_steps``, scales with
+            its ``scaler``), groups may hold its prepared optimizers and schedulers, and :meth:`step` steps
+            when ``accelerator.sync_gradients`` is True. ``scaler`` and ``accumulate`` then come from it.
+            See docs/integrations.md.
         **named_groups: groups by keyword.
 
     Example:
@@ -69,6 +75,7 @@ class Router:
         accumulate: int = 1,
         allow_unreached: bool | Iterable[str] = False,
         plan_options: PlanOptions | None = None,
+        accelerator: Any = None,
         **named_groups: GroupLike,
     ) -> None:
         specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
@@ -101,7 +108,11 @@ class Router:
         self._cache = PlanCache()
         from ._step import Stepper
 
-        self._stepper = Stepper(self._groups, scaler=scaler, accumulate=accumulate)
+        self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
+        if self._accelerator is not None:
+            scaler = self._accelerator.scaler
+        adopt_prepared(self._groups, self._accelerator)
+        self._stepper = Stepper(self._groups, scaler=scaler, accumulate=accumulate, window=self._accelerator)
 
     # ------------------------------------------------------------------ public API
 
@@ -136,6 +147,7 @@ class Router:
         Raises:
             ValueError, TypeError: a bad loss or group name; raised before any ``.grad`` is touched.
         """
+        check_backward(self._accelerator, self._stepper.accumulate)
         routes = self._routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(routes)
         program = self._program(routes, merge_shared=True)

@@ -131,9 +131,14 @@ class StepStats(dict[str, GroupStats]):
 class Stepper:
     """The step half of :class:`gradroute.Router`; see the module docstring for the order of operations."""
 
-    def __init__(self, groups: Mapping[str, Group], *, scaler: Any = None, accumulate: int = 1) -> None:
+    def __init__(
+        self, groups: Mapping[str, Group], *, scaler: Any = None, accumulate: int = 1, window: Any = None
+    ) -> None:
         self.groups = groups
         self.accumulate = _check_accumulate(accumulate)
+        # An Accelerate window (``_accelerate.AcceleratorLink``): the loss divisor and the real steps are the
+        # accelerator's (``divisor()``, ``sync()``); ``accumulate`` is then 1, so DDP's switches are left to it.
+        self._window = window
         self.scaler = _check_scaler(scaler)
         _check_step_parts(groups)
         self._phase = _Phase.READY
@@ -156,14 +161,23 @@ class Stepper:
         """Record the losses' values; return routes whose losses are divided by ``accumulate`` and scaled."""
         self._sync.check(routes)
         self._pending = {r.name: _loss_value(r.losses) for r in routes}
-        if not self._scaling and self.accumulate == 1:
+        if not self._scaling and self._divisor() == 1:
             return routes
         return [Route(name=r.name, losses=tuple(self._scale(t) for t in r.losses), params=r.params) for r in routes]
 
+    def _divisor(self) -> int:
+        """What each loss is divided by: ``accumulate``, or the accelerator's accumulation steps."""
+        return self.accumulate if self._window is None else int(self._window.divisor())
+
+    def _closes_window(self, micro: int) -> bool:
+        """Whether closing micro-batch ``micro`` (from 1) is a real step."""
+        return micro >= self.accumulate if self._window is None else bool(self._window.sync())
+
     def _scale(self, t: torch.Tensor) -> torch.Tensor:
         # As in PyTorch's AMP notes: ``loss = loss / iters_to_accumulate``, then ``scaler.scale(loss)``.
-        if self.accumulate > 1:
-            t = t / self.accumulate
+        divisor = self._divisor()
+        if divisor > 1:
+            t = t / divisor
         if self._scaling:
             t = self.scaler.scale(t)
         return t
@@ -187,7 +201,7 @@ class Stepper:
             )
         self._check_configured()
         micro = self._micro + 1
-        if micro < self.accumulate:
+        if not self._closes_window(micro):
             self._micro = micro
             self._phase = _Phase.READY
             self._sync.next_micro_batch(micro, self.accumulate)
@@ -195,7 +209,7 @@ class Stepper:
                 {n: _group_stats(g, None, None, skipped=False) for n, g in self.groups.items()},
                 accumulating=True,
                 micro_step=micro,
-                accumulate=self.accumulate,
+                accumulate=self._divisor(),
                 step=self._steps,
                 scale=None,
             )
@@ -262,7 +276,7 @@ class Stepper:
             stats,
             accumulating=False,
             micro_step=micro,
-            accumulate=self.accumulate,
+            accumulate=self._divisor(),
             step=self._steps,
             scale=scale,
         )
@@ -279,7 +293,7 @@ class Stepper:
         return not all(bool(torch.isfinite(p.grad).all()) for p in g.params if p.grad is not None)
 
     def _take_losses(self) -> dict[str, float]:
-        out = {name: float(total) / self.accumulate for name, total in self._losses.items()}
+        out = {name: float(total) / self._divisor() for name, total in self._losses.items()}
         self._losses = {}
         return out
 

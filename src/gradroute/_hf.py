@@ -1,0 +1,94 @@
+"""Hugging Face model libraries: their activation checkpointing pointed at :func:`gradroute.checkpoint`.
+
+NOTE [Why a helper for transformers]
+diffusers has a public switch that takes the checkpoint function:
+``ModelMixin.enable_gradient_checkpointing(gradient_checkpointing_func=...)``. transformers has none:
+``activation_checkpointing_enable(activation_checkpointing_kwargs=...)`` (and its deprecated alias
+``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``) always wraps
+``torch.utils.checkpoint.checkpoint`` and only forwards keyword arguments to it (checked in transformers 5.23
+and 5.24, the two newest releases). The function is set by ``PreTrainedModel._set_gradient_checkpointing(enable,
+gradient_checkpointing_func, every_n_layers)``, private but stable since 4.35 (the "new format" its public
+switch calls). :func:`enable_checkpointing` is the one place gradroute calls it; the tests run it against both
+releases. It does what the public switch does otherwise, minus ``enable_input_require_grads`` (which only
+reentrant checkpointing needs: ``gradroute.checkpoint`` is not reentrant).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+
+def _unwrap(model: Any) -> Any:
+    """The model inside DDP (``.module``, as after ``accelerator.prepare``) and peft (``get_base_model()``)."""
+    for _ in range(4):
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+            model = model.get_base_model()
+        else:
+            break
+    return model
+
+
+def enable_checkpointing(model: nn.Module, *, every_n_layers: int = 1) -> None:
+    """Turn on a transformers or diffusers model's activation checkpointing, with :func:`gradroute.checkpoint`.
+
+    The model's own switch decides which blocks are checkpointed (transformers: its decoder or encoder
+    layers; diffusers: its blocks); each block's segment is then recomputed once per routed backward instead of
+    once per engine call. A DDP wrapper (``accelerator.prepare``) or a peft model is looked through.
+
+    Args:
+        model: a ``transformers.PreTrainedModel`` or a ``diffusers.ModelMixin`` (possibly wrapped).
+        every_n_layers: transformers only (5.x): checkpoint every n-th layer.
+
+    Raises:
+        TypeError: not a model of either library, or a transformers model whose checkpointing uses the format
+            before transformers 4.35.
+        ValueError: a model that does not support checkpointing; ``every_n_layers`` < 1 or given for a model
+            that does not take it.
+
+    Example:
+        >>> import gradroute, transformers
+        >>> config = transformers.CLIPTextConfig(vocab_size=99, hidden_size=8, intermediate_size=16,
+        ...     num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=8, bos_token_id=0,
+        ...     eos_token_id=1, pad_token_id=1)
+        >>> tenc = transformers.CLIPTextModel(config)
+        >>> gradroute.enable_checkpointing(tenc)
+        >>> sum(getattr(m, "gradient_checkpointing", False) is True for m in tenc.modules())  # encoder + 2 layers
+        3
+    """
+    from ._checkpoint import checkpoint
+
+    if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+        raise ValueError(f"`every_n_layers` must be an int >= 1, got {every_n_layers!r}")
+    inner = _unwrap(model)
+    diffusers_switch = getattr(inner, "enable_gradient_checkpointing", None)
+    set_func = getattr(inner, "_set_gradient_checkpointing", None)
+    if callable(set_func) and hasattr(inner, "supports_gradient_checkpointing") and hasattr(inner, "config"):
+        if not inner.supports_gradient_checkpointing:
+            raise ValueError(f"`model` ({type(inner).__name__}) does not support activation checkpointing")
+        params = inspect.signature(set_func).parameters
+        if "gradient_checkpointing_func" not in params:
+            raise TypeError(
+                f"`model` ({type(inner).__name__}) uses transformers' checkpointing format from before 4.35 "
+                "(`_set_gradient_checkpointing(module, value)`), which takes no checkpoint function"
+            )
+        kwargs: dict[str, Any] = {"enable": True, "gradient_checkpointing_func": checkpoint}
+        if "every_n_layers" in params:
+            kwargs["every_n_layers"] = every_n_layers
+        elif every_n_layers != 1:
+            raise ValueError("`every_n_layers` needs transformers 5 (this version checkpoints every layer)")
+        set_func(**kwargs)
+        return
+    if callable(diffusers_switch) and "gradient_checkpointing_func" in inspect.signature(diffusers_switch).parameters:
+        if every_n_layers != 1:
+            raise ValueError(f"`every_n_layers` is for transformers models, not {type(inner).__name__}")
+        diffusers_switch(gradient_checkpointing_func=checkpoint)
+        return
+    raise TypeError(
+        f"`model` must be a transformers PreTrainedModel or a diffusers ModelMixin, got {type(model).__name__}; "
+        "for other modules use gradroute.checkpoint or gradroute.checkpoint_modules"
+    )

@@ -73,7 +73,8 @@ def _accelerate_class(module: str, name: str) -> type | None:
 def prepared_optimizer(opt: Any) -> Any:
     """The torch optimizer inside an Accelerate ``AcceleratedOptimizer``; None if ``opt`` is not one."""
     cls = _accelerate_class("accelerate.optimizer", "AcceleratedOptimizer")
-    return opt.optimizer if cls is not None and isinstance(opt, cls) else None
+    wrapper: Any = opt
+    return wrapper.optimizer if cls is not None and isinstance(opt, cls) else None
 
 
 def is_prepared_scheduler(sched: Any) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import re
 import socket
 import subprocess
 import sys

@@ -8,7 +8,6 @@ scale-invariant), so the gradients themselves are compared, not the trained weig
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import socket
@@ -35,31 +34,33 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 # ===================================================================================== diffusers-style scripts
 
 
-def dreambooth_reference(record: Any, args: argparse.Namespace, batches_per_rank: Any, device: str = "cpu") -> Any:
-    import dreambooth
+def recipe_reference(record: Any, name: str, argv: list[str], batches_per_rank: Any, device: str = "cpu") -> Any:
+    """The reference gradients of one step of recipe ``name`` (both networks trained, the optimizer over the
+    UNet's parameters, then the text encoder's), under the recipe's autocast."""
+    import importlib
+
     import tiny
 
+    recipe = importlib.import_module(name)
+    args = recipe.parse_args(argv)
     tenc, unet, noise_scheduler = tiny.models()
     tenc, unet = tenc.to(device), unet.to(device)
-    params = [*unet.parameters(), *tenc.parameters()]  # the recipe's optimizer order
-    autocast = (
-        torch.autocast(device, dtype=torch.float16 if args.mixed_precision == "fp16" else torch.bfloat16)
-        if args.mixed_precision in ("fp16", "bf16")
-        else torch.autocast(device, enabled=False)
-    )
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision)
+    autocast = torch.autocast(device, dtype=dtype, enabled=dtype is not None)
 
     def forward(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        batch = {k: v.to(device) for k, v in batch.items()}
         with autocast:
-            loss_tenc, loss_unet = dreambooth.compute_losses(
-                tenc, unet, noise_scheduler, {k: v.to(device) for k, v in batch.items()}, args
-            )
+            if name == "dreambooth":
+                loss_tenc, loss_unet = recipe.compute_losses(tenc, unet, noise_scheduler, batch, args)
+            else:
+                loss_tenc, loss_unet = recipe.compute_losses(tenc, unet, noise_scheduler, batch)
         return {"tenc": loss_tenc, "unet": loss_unet}
 
-    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
     return reference_step(
         record,
-        params,
-        groups,
+        [*unet.parameters(), *tenc.parameters()],
+        {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())},
         forward,
         batches_per_rank,
         accumulation=args.gradient_accumulation_steps,
@@ -67,15 +68,17 @@ def dreambooth_reference(record: Any, args: argparse.Namespace, batches_per_rank
     )
 
 
-def check_dreambooth(records: list[Any], argv: list[str], *, world: int = 1, rtol: float, atol: float) -> None:
-    import dreambooth
+def check_recipe(
+    records: list[Any], name: str, argv: list[str], *, world: int = 1, rtol: float, atol: float, device: str = "cpu"
+) -> None:
+    import importlib
 
-    args = dreambooth.parse_args(argv)
+    args = importlib.import_module(name).parse_args(argv)
     assert len(records) == args.max_train_steps
     streams = [micro_batches(args.train_batch_size, world=world, rank=r) for r in range(world)]
     for record in records:
         per_rank = [list(itertools.islice(s, args.gradient_accumulation_steps)) for s in streams]
-        expected = dreambooth_reference(record, args, per_rank)
+        expected = recipe_reference(record, name, argv, per_rank, device)
         assert_step_matches(record, [e.cpu() for e in expected], rtol=rtol, atol=atol)
 
 
@@ -96,7 +99,24 @@ def test_dreambooth_routed_steps_match_fresh_forwards(extra: list[str]) -> None:
     argv = [*DREAMBOOTH, *extra]
     with recorded_steps() as records:
         assert dreambooth.main(argv) == 0
-    check_dreambooth(records, argv, rtol=1e-5, atol=1e-7)
+    check_recipe(records, "dreambooth", argv, rtol=1e-5, atol=1e-7)
+
+
+TEXT_TO_IMAGE = ["--train_text_encoder", "--max_train_steps", "2", "--max_grad_norm", "1e6"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "tol"),
+    [(["--gradient_accumulation_steps", "2"], 1e-5), (["--mixed_precision", "bf16"], 2e-2)],
+    ids=["accumulate2", "bf16"],
+)
+def test_text_to_image_routed_steps_match_fresh_forwards(extra: list[str], tol: float) -> None:
+    import text_to_image
+
+    argv = [*TEXT_TO_IMAGE, *extra]
+    with recorded_steps() as records:
+        assert text_to_image.main(argv) == 0
+    check_recipe(records, "text_to_image", argv, rtol=tol, atol=tol * 1e-2)
 
 
 def free_port() -> int:
@@ -131,4 +151,14 @@ def test_dreambooth_two_processes_match_full_batch_reference(tmp_path: Path) -> 
     for r0, r1 in zip(*ranks, strict=True):  # DDP: every rank applies the same averaged gradients
         for (_, g0), (_, g1) in zip(r0, r1, strict=True):
             torch.testing.assert_close(g0, g1, rtol=0, atol=0)
-    check_dreambooth(ranks[0], argv, world=2, rtol=1e-5, atol=1e-7)
+    check_recipe(ranks[0], "dreambooth", argv, world=2, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Accelerate's fp16 GradScaler path needs a GPU (none on CPU)")
+def test_dreambooth_fp16_scaler_on_cuda() -> None:
+    import dreambooth
+
+    argv = [*DREAMBOOTH, "--gradient_accumulation_steps", "2", "--max_grad_norm", "1e6", "--mixed_precision", "fp16"]
+    with recorded_steps() as records:
+        assert dreambooth.main(argv) == 0
+    check_recipe(records, "dreambooth", argv, rtol=2e-2, atol=1e-4, device="cuda")

@@ -1,35 +1,31 @@
-"""HF Accelerate: ``accelerator.prepare`` both networks and optimizers; the router does backward and step.
+"""HF Accelerate: two networks with an optimizer and a scheduler each, all prepared; ``Router(accelerator=)``.
 
 The job is the seed's in miniature: an encoder feeds a head, ``loss = mse(head(encoder(x)), y,
 reduction="none")``, the encoder is trained on ``loss.mean()`` and the head on ``(loss * mask).mean()``.
 
-Accelerate's optimizer wrapper (``AcceleratedOptimizer.step``) calls ``scaler.step(opt)`` *and*
-``scaler.update()`` for every optimizer, so with two optimizers the loss scale is updated twice per iteration
-(PyTorch's AMP notes: once per iteration, after every optimizer has stepped), and the second optimizer's
-inf check runs against a scale the first one already changed. So:
+Everything goes through ``accelerator.prepare`` as usual (models, optimizers, schedulers, data loader), and the
+groups take the prepared optimizers and schedulers. ``Router(..., accelerator=accelerator)`` then follows
+Accelerate's rules: ``router.backward`` divides each loss by ``gradient_accumulation_steps`` and scales it with
+``accelerator.scaler`` (fp16), as ``accelerator.backward`` would; ``accelerator.accumulate(...)`` decides when DDP
+all-reduces and when ``router.step()`` really steps (``sync_gradients``); each scheduler steps as Accelerate's
+wrapper steps it (once per process and real step: size schedules ``* accelerator.num_processes``, as diffusers
+does). What the router does differently: ``AcceleratedOptimizer.step`` would call ``scaler.update()`` once per
+optimizer (twice per iteration here; PyTorch's AMP notes: once per iteration, after every optimizer stepped),
+so ``router.step()`` steps the torch optimizers inside, unscales each once, clips per network
+(``Group(max_grad_norm=...)``) and updates the scale once.
 
-* the models, optimizers and data loader go through ``accelerator.prepare`` as usual (device placement,
-  autocast of the forward for ``--mixed-precision``, the ``GradScaler`` for fp16 in ``accelerator.scaler``);
-* the router's groups get the *underlying* optimizers (``prepared_opt.optimizer``) and the router gets
-  ``accelerator.scaler``: ``router.step()`` unscales each optimizer once, clips per network, ``scaler.step``
-  per optimizer and ONE ``scaler.update()``;
-* ``router.backward`` replaces ``accelerator.backward`` (it scales the losses itself), ``Router(accumulate=N)``
-  replaces ``accelerator.accumulate`` and ``gradient_accumulation_steps``, ``Group(max_grad_norm=...)``
-  replaces ``accelerator.clip_grad_norm_`` (which unscales every optimizer, not just the clipped one).
+Checkpoints: ``accelerator.save_state`` saves the optimizers, schedulers and scaler; save
+``router.state_dict()`` too if you resume inside an accumulation window.
 
-Checkpoints keep working: ``accelerator.save_state`` saves the same optimizers and scaler; save
-``router.state_dict()`` too for the accumulation counter.
-
-Accelerate makes no GradScaler on CPU (fp16 autocast is a CUDA feature there); ``--grad-scaler`` gives the
-router a ``torch.amp.GradScaler`` anyway, so the AMP step path runs on CPU as well (the tests use it). This
-example is tested in a single process only; with several processes Accelerate wraps the networks in DDP, and
-what the router does under DDP (``tests/distributed``) applies, untested here through Accelerate.
+Accelerate makes a GradScaler for fp16 on GPUs only; ``--grad-scaler`` gives the accelerator a CPU one before
+``prepare`` so the AMP path runs on the CPU as well (the tests use it). A script with ONE optimizer over both
+networks needs only ``router.backward`` in place of ``accelerator.backward``: see docs/integrations.md.
 
 Run::
 
     python examples/accelerate_train.py                           # CPU or one GPU
-    python examples/accelerate_train.py --mixed-precision fp16    # CUDA: accelerator.scaler drives the router
-    accelerate launch examples/accelerate_train.py --mixed-precision bf16
+    python examples/accelerate_train.py --mixed-precision fp16    # CUDA: accelerator.scaler scales the losses
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py
 """
 
 from __future__ import annotations
@@ -44,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradroute
+from gradroute.schedules import warmup_power
 
 
 def make_models(dim: int = 16, hidden: int = 64) -> tuple[nn.Module, nn.Module]:
@@ -73,27 +70,18 @@ def losses(encoder: nn.Module, head: nn.Module, batch: Sequence[torch.Tensor]) -
 def build_router(
     encoder: nn.Module,
     head: nn.Module,
-    opt_encoder: Any,
-    opt_head: Any,
-    scaler: Any,
+    optimizers: Sequence[Any],
+    schedulers: Sequence[Any],
+    accelerator: Any,
     *,
-    accumulate: int = 1,
     max_grad_norm: float | None = None,
 ) -> gradroute.Router:
-    """The router over Accelerate-prepared optimizers: their underlying optimizers, one scaler.
-
-    ``AcceleratedOptimizer.step`` would ``scaler.update()`` per optimizer; the router steps the optimizers it
-    wraps (``.optimizer``) itself and updates the scaler once.
-    """
-
-    def plain(opt: Any) -> torch.optim.Optimizer:
-        return getattr(opt, "optimizer", opt)  # AcceleratedOptimizer -> the torch optimizer inside
-
+    """The router over the prepared optimizers and schedulers; scaling and accumulation come from ``accelerator``."""
+    (opt_encoder, opt_head), (sched_encoder, sched_head) = optimizers, schedulers
     return gradroute.Router(
-        encoder=gradroute.Group(encoder, optimizer=plain(opt_encoder), max_grad_norm=max_grad_norm),
-        head=gradroute.Group(head, optimizer=plain(opt_head), max_grad_norm=max_grad_norm),
-        scaler=scaler,
-        accumulate=accumulate,
+        encoder=gradroute.Group(encoder, optimizer=opt_encoder, scheduler=sched_encoder, max_grad_norm=max_grad_norm),
+        head=gradroute.Group(head, optimizer=opt_head, scheduler=sched_head, max_grad_norm=max_grad_norm),
+        accelerator=accelerator,
     )
 
 
@@ -107,17 +95,17 @@ def train(
     max_steps: int,
     log: bool = True,
 ) -> list[gradroute.StepStats]:
-    """Up to ``max_steps`` optimizer steps (each of ``router``'s ``accumulate`` micro-batches).
+    """Up to ``max_steps`` optimizer steps (each of ``gradient_accumulation_steps`` micro-batches).
 
     Returns the stats of every real step.
     """
     history: list[gradroute.StepStats] = []
     while True:
         for batch in loader:
-            with accelerator.autocast():
+            with accelerator.accumulate(encoder, head):
                 loss_encoder, loss_head = losses(encoder, head, batch)
-            router.backward(encoder=loss_encoder, head=loss_head)
-            stats = router.step()
+                router.backward(encoder=loss_encoder, head=loss_head)
+                stats = router.step()
             if stats.accumulating:
                 continue
             history.append(stats)
@@ -136,7 +124,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step (router)")
+    p.add_argument("--accumulate", type=int, default=2, help="gradient_accumulation_steps of the Accelerator")
     p.add_argument("--lr-encoder", type=float, default=1e-3)
     p.add_argument("--lr-head", type=float, default=3e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -145,7 +133,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--grad-scaler",
         action="store_true",
-        help="give the router a torch.amp.GradScaler when Accelerate makes none (e.g. on CPU)",
+        help="give the accelerator a torch.amp.GradScaler when it makes none (e.g. on the CPU)",
     )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -160,30 +148,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     from accelerate.utils import set_seed
 
     args = parse_args(argv)
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.cpu)
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision, cpu=args.cpu, gradient_accumulation_steps=args.accumulate
+    )
+    if accelerator.scaler is None and args.grad_scaler:
+        accelerator.scaler = torch.amp.GradScaler(accelerator.device.type)  # before prepare: the optimizers take it
     set_seed(args.seed)
     encoder, head = make_models()
-    opt_encoder = torch.optim.AdamW(encoder.parameters(), lr=args.lr_encoder)
-    opt_head = torch.optim.AdamW(head.parameters(), lr=args.lr_head)
+    optimizers = [
+        torch.optim.AdamW(encoder.parameters(), lr=args.lr_encoder),
+        torch.optim.AdamW(head.parameters(), lr=args.lr_head),
+    ]
+    total = args.max_steps * accelerator.num_processes  # Accelerate steps a prepared scheduler once per process
+    schedulers = [warmup_power(opt, total // 4, 2, total_steps=total) for opt in optimizers]
     loader = torch.utils.data.DataLoader(make_dataset(seed=args.seed), batch_size=args.batch_size, shuffle=True)
-    encoder, head, opt_encoder, opt_head, loader = accelerator.prepare(encoder, head, opt_encoder, opt_head, loader)
-
-    scaler = accelerator.scaler  # a GradScaler for fp16 on CUDA, else None
-    if scaler is None and args.grad_scaler:
-        scaler = torch.amp.GradScaler(accelerator.device.type)
-    router = build_router(
-        encoder,
-        head,
-        opt_encoder,
-        opt_head,
-        scaler,
-        accumulate=args.accumulate,
-        max_grad_norm=args.max_grad_norm,
-    )
+    encoder, head, *prepared, loader = accelerator.prepare(encoder, head, *optimizers, *schedulers, loader)
+    router = build_router(encoder, head, prepared[:2], prepared[2:], accelerator, max_grad_norm=args.max_grad_norm)
     history = train(accelerator, router, encoder, head, loader, max_steps=args.max_steps)
     accelerator.print(
         f"{len(history)} steps on {accelerator.device} (mixed precision {accelerator.mixed_precision}, "
-        f"scaler {'yes' if scaler is not None else 'no'}, accumulate {args.accumulate})"
+        f"scaler {'yes' if accelerator.scaler is not None else 'no'}, accumulate {args.accumulate}, "
+        f"{accelerator.num_processes} process(es))"
     )
     accelerator.end_training()
     return 0

@@ -208,8 +208,8 @@ def load_models(
         enable({"use_reentrant": False})
         if gradient_checkpointing == "torch":
             unet.enable_gradient_checkpointing()
-        else:  # the text encoder's switch, pointed at gradroute.checkpoint (supported hook, transformers 5)
-            tenc._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=gradroute.checkpoint)
+        else:  # the text encoder's switch, pointed at gradroute.checkpoint
+            gradroute.enable_checkpointing(tenc)
         if gradient_checkpointing == "gradroute":
             unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)
             # the consumers of each block layer's output get views of their own: the router can cut there, so

@@ -236,3 +236,90 @@ def test_accelerator_with_lomo_optimizer_fails() -> None:
     with pytest.raises(ValueError, match="LOMO optimizer"):
         router.backward(losses(tenc, unet, x, mask))
     assert all(p.grad is None for p in tenc.parameters())
+
+
+# ---------------------------------------------------------------------- examples/accelerate_train.py
+
+
+def example_parts(accumulation: int, *, scaler: bool, lr: float = 0.05) -> tuple[Any, ...]:
+    """The example's pieces with SGD (a gradient scale shows in the weights) and constant schedules."""
+    import accelerate_train as at
+
+    acc = accelerator(accumulation, scaler=scaler)
+    torch.manual_seed(0)
+    encoder, head = at.make_models(dim=8, hidden=16)
+    ref = copy.deepcopy(encoder), copy.deepcopy(head)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (encoder, head)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in opts]
+    loader = torch.utils.data.DataLoader(at.make_dataset(n=64, dim=8), batch_size=8, shuffle=False)
+    encoder, head, *prepared, loader = acc.prepare(encoder, head, *opts, *scheds, loader)
+    router = at.build_router(encoder, head, prepared[:2], prepared[2:], acc, max_grad_norm=None)
+    return acc, router, encoder, head, loader, ref
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_accelerate_example_updates_the_scale_once_per_iteration(accumulation: int) -> None:
+    import accelerate_train as at
+
+    acc, router, encoder, head, loader, _ = example_parts(accumulation, scaler=True)
+    updates: list[int] = []
+    update = acc.scaler.update
+    acc.scaler.update = lambda *a: (updates.append(1), update(*a))[1]
+    history = at.train(acc, router, encoder, head, loader, max_steps=3, log=False)
+    assert [s.step for s in history] == [1, 2, 3]
+    assert len(updates) == 3  # one per iteration (real step), whatever the accumulation
+    assert [s.scale for s in history] == [2.0**8, 2.0**9, 2.0**10]  # changed once per iteration
+    assert not any(s[g].skipped for s in history for g in ("encoder", "head"))
+
+
+def test_accelerate_own_optimizer_wrapper_updates_per_optimizer() -> None:
+    """Why the router steps the optimizers inside Accelerate's wrappers: ``AcceleratedOptimizer.step`` updates the
+    scale once per optimizer."""
+    import accelerate_train as at
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    accelerator(1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    updates: list[int] = []
+    update = scaler.update
+    scaler.update = lambda *a: (updates.append(1), update(*a))[1]
+    encoder, head = at.make_models(dim=8, hidden=16)
+    opts = [AcceleratedOptimizer(torch.optim.AdamW(m.parameters()), scaler=scaler) for m in (encoder, head)]
+    x, y, mask = at.make_dataset(n=8, dim=8)[:]
+    loss_e, loss_h = at.losses(encoder, head, (x, y, mask))
+    gradroute.Router(encoder=encoder, head=head).backward(encoder=scaler.scale(loss_e), head=scaler.scale(loss_h))
+    for opt in opts:
+        opt.step()
+    assert len(updates) == 2
+    assert scaler.get_scale() == 2.0**12  # two growth steps in one iteration
+
+
+def test_accelerate_example_matches_reference_loop() -> None:
+    import accelerate_train as at
+
+    accumulation, lr = 2, 0.05
+    acc, router, encoder, head, loader, (ref_e, ref_h) = example_parts(accumulation, scaler=True, lr=lr)
+    at.train(acc, router, encoder, head, loader, max_steps=3, log=False)
+    batches = list(torch.utils.data.DataLoader(at.make_dataset(n=64, dim=8), batch_size=8, shuffle=False))
+    groups = {"encoder": list(ref_e.parameters()), "head": list(ref_h.parameters())}
+    for step in range(3):
+        expected: dict[int, torch.Tensor] = {}
+        for batch in batches[step * accumulation : (step + 1) * accumulation]:
+            forward = lambda batch=batch: dict(zip(("encoder", "head"), at.losses(ref_e, ref_h, batch), strict=True))  # noqa: E731
+            for pid, g in reference_grads(forward, groups).items():
+                expected[pid] = expected.get(pid, 0) + g / accumulation
+        with torch.no_grad():
+            for q in [*ref_e.parameters(), *ref_h.parameters()]:
+                q -= lr * expected[id(q)]
+    for net, ref in ((encoder, ref_e), (head, ref_h)):
+        for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra", [["--grad-scaler"], ["--mixed-precision", "bf16"]], ids=["scaler", "bf16"])
+def test_accelerate_example_main_runs(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    import accelerate_train as at
+
+    assert at.main(["--cpu", "--max-steps", "3", "--batch-size", "16", *extra]) == 0
+    text = capsys.readouterr().out
+    assert "step    3" in text and "3 steps on cpu" in text

@@ -39,13 +39,15 @@ def recipe_reference(record: Any, name: str, argv: list[str], batches_per_rank: 
     UNet's parameters, then the text encoder's), under the recipe's autocast."""
     import importlib
 
+    import text_to_image
     import tiny
 
     recipe = importlib.import_module(name)
     args = recipe.parse_args(argv)
+    settings = recipe_settings(name, argv)
     tenc, unet, noise_scheduler = tiny.models()
     tenc, unet = tenc.to(device), unet.to(device)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.mixed_precision)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(settings["precision"])
     autocast = torch.autocast(device, dtype=dtype, enabled=dtype is not None)
 
     def forward(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -53,8 +55,8 @@ def recipe_reference(record: Any, name: str, argv: list[str], batches_per_rank: 
         with autocast:
             if name == "dreambooth":
                 loss_tenc, loss_unet = recipe.compute_losses(tenc, unet, noise_scheduler, batch, args)
-            else:
-                loss_tenc, loss_unet = recipe.compute_losses(tenc, unet, noise_scheduler, batch)
+            else:  # text_to_image, and torch_loop (which uses text_to_image's losses)
+                loss_tenc, loss_unet = text_to_image.compute_losses(tenc, unet, noise_scheduler, batch)
         return {"tenc": loss_tenc, "unet": loss_unet}
 
     return reference_step(
@@ -63,21 +65,39 @@ def recipe_reference(record: Any, name: str, argv: list[str], batches_per_rank: 
         {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())},
         forward,
         batches_per_rank,
-        accumulation=args.gradient_accumulation_steps,
+        accumulation=settings["accumulation"],
         max_grad_norm=args.max_grad_norm,
     )
+
+
+def recipe_settings(name: str, argv: list[str]) -> dict[str, Any]:
+    """Accumulation, batch size, steps and precision of a recipe run (the plain loop names them its own way)."""
+    import importlib
+
+    args = importlib.import_module(name).parse_args(argv)
+    if name == "torch_loop":
+        return {
+            "accumulation": args.accumulation,
+            "batch": args.batch_size,
+            "steps": args.max_steps,
+            "precision": args.amp,
+        }
+    return {
+        "accumulation": args.gradient_accumulation_steps,
+        "batch": args.train_batch_size,
+        "steps": args.max_train_steps,
+        "precision": args.mixed_precision,
+    }
 
 
 def check_recipe(
     records: list[Any], name: str, argv: list[str], *, world: int = 1, rtol: float, atol: float, device: str = "cpu"
 ) -> None:
-    import importlib
-
-    args = importlib.import_module(name).parse_args(argv)
-    assert len(records) == args.max_train_steps
-    streams = [micro_batches(args.train_batch_size, world=world, rank=r) for r in range(world)]
+    settings = recipe_settings(name, argv)
+    assert len(records) == settings["steps"]
+    streams = [micro_batches(settings["batch"], world=world, rank=r) for r in range(world)]
     for record in records:
-        per_rank = [list(itertools.islice(s, args.gradient_accumulation_steps)) for s in streams]
+        per_rank = [list(itertools.islice(s, settings["accumulation"])) for s in streams]
         expected = recipe_reference(record, name, argv, per_rank, device)
         assert_step_matches(record, [e.cpu() for e in expected], rtol=rtol, atol=atol)
 
@@ -117,6 +137,37 @@ def test_text_to_image_routed_steps_match_fresh_forwards(extra: list[str], tol: 
     with recorded_steps() as records:
         assert text_to_image.main(argv) == 0
     check_recipe(records, "text_to_image", argv, rtol=tol, atol=tol * 1e-2)
+
+
+# ==================================================================================================== plain torch
+
+TORCH_LOOP = ["--accumulation", "2", "--max_steps", "2", "--max_grad_norm", "1e6"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--gradient_checkpointing", "--max_grad_norm", "0.05"]], ids=["plain", "ckpt"])
+def test_torch_loop_routed_steps_match_fresh_forwards(extra: list[str]) -> None:
+    import torch_loop
+
+    argv = [*TORCH_LOOP, *extra]
+    with recorded_steps() as records:
+        assert torch_loop.main(argv) == 0
+    check_recipe(records, "torch_loop", argv, rtol=1e-5, atol=1e-7)
+
+
+def _torch_loop_worker(rank: int, world: int, argv: list[str]) -> None:
+    import torch_loop
+
+    with recorded_steps() as records:
+        assert torch_loop.main(argv) == 0
+    if rank == 0:
+        check_recipe(records, "torch_loop", argv, world=world, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_torch_loop_two_processes_match_full_batch_reference() -> None:
+    from tests.distributed._worker import launch
+
+    launch(_torch_loop_worker, TORCH_LOOP, timeout=300.0)
 
 
 def free_port() -> int:

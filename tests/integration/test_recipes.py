@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -213,3 +214,53 @@ def test_dreambooth_fp16_scaler_on_cuda() -> None:
     with recorded_steps() as records:
         assert dreambooth.main(argv) == 0
     check_recipe(records, "dreambooth", argv, rtol=2e-2, atol=1e-4, device="cuda")
+
+
+# ========================================================================================= docs/integrations.md
+
+DOC = ROOT / "docs" / "integrations.md"
+
+
+def excerpts() -> list[tuple[Path, list[str]]]:
+    """``(file, chunks)`` for every python block of the doc whose first line names a file (``# path``);
+    ``...`` lines separate the chunks."""
+    out = []
+    for block in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S):
+        first, _, body = block.partition("\n")
+        assert first.startswith("# ") and (ROOT / first[2:]).is_file(), f"excerpt without its file: {first!r}"
+        chunks = re.split(r"^\s*\.\.\.\s*$\n?", body, flags=re.M)
+        out.append((ROOT / first[2:], [c for c in chunks if c.strip()]))
+    return out
+
+
+def test_integrations_doc_excerpts_are_cut_from_their_files() -> None:
+    blocks = excerpts()
+    assert {p.name for p, _ in blocks} >= {
+        "dreambooth.py",
+        "text_to_image.py",
+        "torch_loop.py",
+        "accelerate_train.py",
+        "lightning_train.py",
+    }
+    for path, chunks in blocks:
+        text, at = path.read_text(), 0
+        for chunk in chunks:
+            found = text.find(chunk, at)
+            assert found >= 0, f"{path.name}: this excerpt is not in the file (in this order):\n{chunk}"
+            at = found + len(chunk)
+
+
+@pytest.mark.parametrize("recipe", ["dreambooth", "text_to_image", "torch_loop"])
+def test_integrations_doc_shows_every_changed_line(recipe: str) -> None:
+    shown = DOC.read_text()
+    lines = (RECIPES / f"{recipe}.py").read_text().splitlines()
+    marked = [line for line in lines if re.search(r"  # gradroute(:|$)", line)]
+    assert marked
+    for line in marked:
+        assert line in shown, f"{recipe}.py: a line marked # gradroute is not in docs/integrations.md:\n{line}"
+    assert f"recipes/{recipe}.py" in shown
+    assert f"import {recipe}" in Path(__file__).read_text()  # and a test here runs it
+
+
+def test_readme_points_to_integrations() -> None:
+    assert "docs/integrations.md" in (ROOT / "README.md").read_text()

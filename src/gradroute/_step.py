@@ -429,7 +429,7 @@ class Stepper:
         if self.scaler is None and saved_scaler:
             raise ValueError("`state_dict` holds a scaler's state; this Router has no `scaler`")
         micro = sd["micro_step"]
-        if not (isinstance(micro, int) and 0 <= micro < self.accumulate):
+        if not (isinstance(micro, int) and 0 <= micro < max(self.accumulate, self._divisor())):
             raise ValueError(
                 f"`state_dict` was saved at micro-batch {micro!r} of an accumulation window of "
                 f"{sd['accumulate']}; this Router has accumulate={self.accumulate}"

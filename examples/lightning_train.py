@@ -18,6 +18,10 @@ How it fits Lightning:
   turns ``"16-mixed"`` into bf16; pass ``--precision 16-mixed`` here and the example installs a CPU fp16
   plugin with a ``GradScaler("cpu")`` itself, so the path runs on CPU as well.) ``bf16-mixed`` and
   ``32-true`` need no scaler.
+* DDP (``strategy="ddp"``): Lightning calls ``training_step`` inside DDP's forward, and under manual
+  optimization arms DDP's gradient sync in ``manual_backward`` (``strategy.pre_backward``); ``training_step``
+  calls ``pre_backward``/``post_backward`` around ``router.backward`` for the same reason (no-ops on one
+  device). Tested on 2 processes (``tests/integration/test_lightning_ddp.py``).
 * ``Router(accumulate=N)`` accumulates: the optimizers step (and ``global_step`` advances) every N batches.
   The router's ``state_dict()`` is saved with Lightning's checkpoints (``on_save_checkpoint``).
 
@@ -77,7 +81,11 @@ class RoutedGAN(L.LightningModule):
         assert self.router is not None
         real, z = batch
         loss_d, loss_g = gan_losses(self.discriminator, real, self.generator(z))
+        # Under DDP, Lightning runs training_step inside DDP's forward, so DDP has not armed its gradient sync
+        # yet: manual_backward would do it first (strategy.pre_backward); the routed backward does the same.
+        self.trainer.strategy.pre_backward(loss_d)
         self.router.backward(D=loss_d, G=loss_g)
+        self.trainer.strategy.post_backward(loss_d)
         stats = self.router.step()
         self.iterations += 1
         if not stats.accumulating:

@@ -20,9 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 #: python blocks executed, per file (in order, one namespace per file)
-BLOCKS_RUN = {"README.md": 2, "docs/checkpointing.md": 1, "docs/distributed.md": 0, "docs/training_step.md": 1}
+BLOCKS_RUN = {
+    "README.md": 2,
+    "docs/checkpointing.md": 1,
+    "docs/distributed.md": 0,
+    "docs/integrations.md": 0,  # excerpts of scripts that tests/integration runs (and checks them against)
+    "docs/training_step.md": 1,
+}
 #: python blocks marked ``<!-- not run: ... -->``, per file
-BLOCKS_NOT_RUN = {"README.md": 1, "docs/checkpointing.md": 0, "docs/distributed.md": 1, "docs/training_step.md": 0}
+BLOCKS_NOT_RUN = {
+    "README.md": 1,
+    "docs/checkpointing.md": 0,
+    "docs/distributed.md": 1,
+    "docs/integrations.md": 6,
+    "docs/training_step.md": 0,
+}
 #: doctest examples (``>>>`` lines) executed per public name, its methods and, for a module, its functions
 DOCTEST_EXAMPLES = {
     "Call": 5,
@@ -35,6 +47,7 @@ DOCTEST_EXAMPLES = {
     "checkpoint": 8,
     "checkpoint_modules": 5,
     "cut_points": 6,
+    "enable_checkpointing": 5,
     "schedules": 7,
 }
 #: public names whose docstrings have no example yet: each fails (strict xfail) until it gets one

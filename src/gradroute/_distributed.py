@@ -108,6 +108,16 @@ def live_params(params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+def fsdp2_unsharded(routes: Sequence[Route], params: Mapping[str, tuple[torch.Tensor, ...]]) -> bool:
+    """Whether any route targets FSDP2's unsharded parameters: :func:`live_params` replaced some of its group's
+    (``params``: group name -> the group's own parameters).
+
+    FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of them,
+    so the planner must keep each pass through such a module in one call (no interleaving).
+    """
+    return any(r.params is not params[r.name] for r in routes)
+
+
 def _ddp_class() -> type | None:
     import torch.distributed as dist
 

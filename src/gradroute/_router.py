@@ -11,13 +11,13 @@ import torch
 
 from . import _checkpoint
 from ._accelerate import adopt_prepared, check_backward, link_accelerator
-from ._distributed import live_params
+from ._distributed import fsdp2_unsharded, live_params
 from ._execute import GraphFreedError, execute, freed_message
 from ._graph import saved_attrs
 from ._group import Group, GroupLike
 from ._options import PlanOptions
 from ._planner import Checkpoints, Plan, PlanCache, Program, build
-from ._step import StepStats
+from ._step import Stepper, StepStats
 from ._types import Route
 
 LossLike = torch.Tensor | Sequence[torch.Tensor]
@@ -75,6 +75,8 @@ class Router:
         accumulate: int = 1,
         allow_unreached: bool | Iterable[str] = False,
         plan_options: PlanOptions | None = None,
+        skip_nonfinite: bool = True,
+        atomic_step: bool = True,
         accelerator: Any = None,
         **named_groups: GroupLike,
     ) -> None:
@@ -85,34 +87,29 @@ class Router:
         for name, spec in specs.items():
             if not isinstance(name, str) or not name:
                 raise TypeError(f"group names must be non-empty strings, got {name!r}")
-            if isinstance(spec, Group):
-                spec.name = name
-                self._groups[name] = spec
-            else:
-                self._groups[name] = Group(spec, name=name)
-        if isinstance(allow_unreached, bool):
-            self._allow_unreached = set(self._groups) if allow_unreached else set()
-        else:
-            names = [allow_unreached] if isinstance(allow_unreached, str) else list(allow_unreached)
-            for n in names:
-                if n not in self._groups:
-                    raise ValueError(
-                        f"`allow_unreached` names unknown group `{n}`; groups are: {', '.join(self._groups)}"
-                    )
-            self._allow_unreached = set(names)
+            # a Group of the caller's is renamed only once the whole construction has succeeded
+            self._groups[name] = spec if isinstance(spec, Group) else Group(spec, name=name)
+        self._allow_unreached = _check_allow_unreached(allow_unreached, self._groups)
         if plan_options is None:
             plan_options = PlanOptions()
         elif not isinstance(plan_options, PlanOptions):
             raise TypeError(f"`plan_options` must be a gradroute.PlanOptions, got {type(plan_options).__name__}")
         self._options = plan_options
         self._cache = PlanCache()
-        from ._step import Stepper
-
         self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
         if self._accelerator is not None:
             scaler = self._accelerator.scaler
         adopt_prepared(self._groups, self._accelerator)
-        self._stepper = Stepper(self._groups, scaler=scaler, accumulate=accumulate, window=self._accelerator)
+        self._stepper = Stepper(
+            self._groups,
+            scaler=scaler,
+            accumulate=accumulate,
+            skip_nonfinite=skip_nonfinite,
+            atomic_step=atomic_step,
+            window=self._accelerator,
+        )
+        for name, group in self._groups.items():
+            group.name = name
 
     # ------------------------------------------------------------------ public API
 
@@ -286,6 +283,11 @@ class Router:
                     raise TypeError(f"{label} must be a Tensor, got {type(t).__name__}")
                 if t.numel() != 1:
                     raise ValueError(f"{label} must be a scalar, got shape {tuple(t.shape)} (reduce it, e.g. .mean())")
+                if not t.is_floating_point():
+                    raise TypeError(
+                        f"{label} must be a real floating-point scalar, got dtype {t.dtype} (a backward needs a "
+                        "real loss: take .abs() or .real of a complex one)"
+                    )
                 if not t.requires_grad:
                     raise ValueError(
                         f"{label} does not require grad: it was computed without autograd "
@@ -299,9 +301,9 @@ class Router:
         enabled = gc.isenabled()
         gc.disable()  # the walk creates a Python object per node: no collector passes in between
         try:
-            # FSDP2 (parameters replaced by their unsharded tensors) reduce-scatters a module's gradients at the
-            # end of the first engine call that computes any of them: keep each pass through it in one call
-            fsdp2 = any(r.params is not self._groups[r.name].params for r in routes)
+            # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any
+            # of them: keep each pass through it in one call
+            fsdp2 = fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
             options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
             program = build(
                 routes, merge_shared=merge_shared, options=options, cache=self._cache, checkpoints=_CHECKPOINTS
@@ -309,6 +311,7 @@ class Router:
         finally:
             if enabled:
                 gc.enable()
+        _check_graph_alive(program.graph.nodes, [r.name for r in routes])
         bad = [n for n in program.unreached if n not in self._allow_unreached]
         if bad:
             raise ValueError(
@@ -317,6 +320,27 @@ class Router:
                 f"Router(..., allow_unreached=[{bad[0]!r}]) if that is intended"
             )
         return program
+
+
+def _check_allow_unreached(value: Any, groups: Mapping[str, Group]) -> set[str]:
+    """``allow_unreached`` as a set of group names; TypeError/ValueError naming what was received."""
+    if isinstance(value, bool):
+        return set(groups) if value else set()
+    if isinstance(value, str):
+        names = [value]
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
+        names = list(value)
+    else:
+        raise TypeError(
+            f"`allow_unreached` must be True, False or an iterable of group names, got {type(value).__name__} "
+            f"({value!r})"
+        )
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"`allow_unreached` must hold group names (str), got {type(n).__name__} ({n!r})")
+        if n not in groups:
+            raise ValueError(f"`allow_unreached` names unknown group `{n}`; groups are: {', '.join(groups)}")
+    return set(names)
 
 
 def _merge_named(mapping: Any, named: Mapping[str, Any], arg: str, item: str, shape: str, call: str) -> dict[str, Any]:
@@ -353,6 +377,31 @@ def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Ten
             if any(id(p) in reached and id(p) not in own for p in params):
                 leaks[route.name].append(name)
     return dataclasses.replace(plan, reach=reach, leaks={k: tuple(v) for k, v in leaks.items()}, others=tuple(others))
+
+
+def _check_graph_alive(nodes: Sequence[Any], names: Sequence[str]) -> None:
+    """Raise :class:`GraphFreedError` if any node of the routed graph was freed by an earlier backward.
+
+    Runs on the whole graph before the first engine call, so a graph freed only in part (another loss's
+    ``.backward()`` freed the nodes they share) is refused before any ``.grad`` is written. A non-retaining
+    backward releases all of a node's saved tensors at once, so the first saved tensor of each node tells:
+    one with data (or a saved-tensor hook, e.g. a checkpoint's) is alive; an empty one is either an optional
+    tensor that was never defined (``unpack()`` gives None, no hook runs) or released (``unpack()`` raises).
+    """
+    for node in nodes:
+        for attr in saved_attrs(node):
+            raw = getattr(node, attr)
+            items = raw if isinstance(raw, (list, tuple)) else (raw,)
+            item = next((x for x in items if x is not None), None)
+            if item is None:
+                continue
+            if item.data is not None or item.unpack_hook is not None:
+                break
+            try:
+                item.unpack()
+            except RuntimeError:
+                losses = ", ".join(f"`{n}`" for n in names)
+                raise GraphFreedError(freed_message(f"a loss routed to {losses}")) from None
 
 
 def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:

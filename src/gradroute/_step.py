@@ -11,17 +11,16 @@ The order follows PyTorch's AMP notes for several models, losses and optimizers
    group's gradients skips only that group's optimizer), then ONE ``scaler.update()``, then the schedulers of
    the groups whose optimizer really stepped, then ``.grad = None`` for every group.
 
-Everything that can be checked is checked before anything is touched, so a ``step()`` that raises a
-``RuntimeError``/``ValueError`` of its own leaves parameters, gradients, optimizer, scheduler and scaler
-state and the accumulation counter as they were. (Exceptions raised by user code, a ``grad_hook`` or an
-optimizer's ``step``, propagate from wherever they happen.)
+Everything that can be checked is checked before anything is touched (``_step_checks``), and the real step is
+a transaction (``_rollback``, see NOTE [A step is a transaction]): when anything raises inside it, a
+``grad_hook``, an optimizer, a scheduler, a Ctrl-C, the parameters, gradients, optimizer, scheduler and scaler
+state and the counters are put back as they were and the exception propagates unchanged.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +28,20 @@ from typing import Any
 import torch
 
 from ._distributed import GradSync, group_params
-from ._group import Group, describe_param, optimizer_mismatch, scheduler_mismatch
+from ._group import Group
+from ._rollback import Rollback
+from ._scaler import Scaler
+from ._step_checks import (
+    STATE_FORMAT,
+    check_accumulate,
+    check_configured,
+    check_flag,
+    check_gradients,
+    check_scaler,
+    check_state_dict,
+    check_step_parts,
+)
 from ._types import Route
-
-_FORMAT = "gradroute.Router.state_dict/1"
 
 
 class _Phase(enum.Enum):
@@ -59,11 +68,12 @@ class GroupStats:
         lr: the learning rate of the optimizer's first parameter group that this step used (read before the
             scheduler steps); on a micro-step, the one the coming real step will use.
         lrs: the same for every parameter group of the optimizer.
-        skipped: on a real step, the group's optimizer did not update: ``GradScaler`` found inf/NaN in its
-            gradients, or the group had no gradient at all. Its scheduler was not stepped either. Always
-            ``False`` on an accumulation micro-step.
-        skip_reason: why it was skipped: ``"nonfinite"`` (GradScaler found inf/NaN) or ``"no_grad"`` (no
-            loss reached the group since the last step); ``None`` when not skipped.
+        skipped: on a real step, the group's optimizer did not update: its gradients hold inf/NaN (found by
+            the ``GradScaler``, or, without one, a non-finite ``grad_norm``), or the group had no gradient at
+            all. Its scheduler was not stepped either. Always ``False`` on an accumulation micro-step.
+        skip_reason: why it was skipped: ``"nonfinite"`` (inf/NaN gradients; without a scaler only with
+            ``Router(skip_nonfinite=True)``, the default) or ``"no_grad"`` (no loss reached the group since
+            the last step); ``None`` when not skipped.
     """
 
     loss: float | None
@@ -132,20 +142,30 @@ class Stepper:
     """The step half of :class:`gradroute.Router`; see the module docstring for the order of operations."""
 
     def __init__(
-        self, groups: Mapping[str, Group], *, scaler: Any = None, accumulate: int = 1, window: Any = None
+        self,
+        groups: Mapping[str, Group],
+        *,
+        scaler: Any = None,
+        accumulate: int = 1,
+        skip_nonfinite: bool = True,
+        atomic_step: bool = True,
+        window: Any = None,
     ) -> None:
         self.groups = groups
-        self.accumulate = _check_accumulate(accumulate)
+        self.accumulate = check_accumulate(accumulate)
         # An Accelerate window (``_accelerate.AcceleratorLink``): the loss divisor and the real steps are the
         # accelerator's (``divisor()``, ``sync()``); ``accumulate`` is then 1, so DDP's switches are left to it.
         self._window = window
-        self.scaler = _check_scaler(scaler)
-        _check_step_parts(groups)
+        self.scaler = check_scaler(scaler)
+        self._scaler = Scaler(self.scaler)
+        self.skip_nonfinite = check_flag(skip_nonfinite, "skip_nonfinite")
+        self.atomic_step = check_flag(atomic_step, "atomic_step")
+        check_step_parts(groups)
         self._phase = _Phase.READY
         self._micro = 0  # micro-batches of the current window already closed by step()
         self._steps = 0  # real steps done
-        # Per group, the detached sum of the window's loss values: one scalar each, so a router whose step() is
-        # never called (optimizers stepped by hand) does not grow.
+        # Per group, the detached sum of the window's loss values (float32): one scalar each, so a router whose
+        # step() is never called (optimizers stepped by hand) does not grow.
         self._losses: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}  # of the backward in progress
         self._sync = GradSync(group_params(groups))  # DDP/FSDP2 wrappers: no gradient sync until a window's last
@@ -155,7 +175,7 @@ class Stepper:
 
     @property
     def _scaling(self) -> bool:
-        return self.scaler is not None and bool(self.scaler.is_enabled())
+        return self._scaler.enabled
 
     def before_backward(self, routes: list[Route]) -> list[Route]:
         """Record the losses' values; return routes whose losses are divided by ``accumulate`` and scaled."""
@@ -199,12 +219,12 @@ class Stepper:
                 "`step()` was called with no `backward()` since the last `step()` (state: "
                 f"{self._phase.value}); call router.backward(...) for every micro-batch before router.step()"
             )
-        self._check_configured()
+        check_configured(self.groups)
         micro = self._micro + 1
         if not self._closes_window(micro):
+            self._sync.next_micro_batch(micro, self.accumulate)
             self._micro = micro
             self._phase = _Phase.READY
-            self._sync.next_micro_batch(micro, self.accumulate)
             return StepStats(
                 {n: _group_stats(g, None, None, skipped=False) for n, g in self.groups.items()},
                 accumulating=True,
@@ -214,34 +234,51 @@ class Stepper:
                 scale=None,
             )
         active = {n: g for n, g in self.groups.items() if any(p.grad is not None for p in g.params)}
-        self._check_gradients(active)
-        return self._real_step(active, micro)
+        check_gradients(active, self.groups, self._scaler)
+        if self._scaling and active:
+            self._scaler.ready_on(next(p.grad.device for g in active.values() for p in g.params if p.grad is not None))
+        undo = Rollback(enabled=self.atomic_step)
+        scaler_state = self._scaler.snapshot()
+        try:
+            stats, scale = self._real_step(active, undo)
+        except BaseException:
+            undo.restore()
+            self._scaler.restore(scaler_state)
+            raise
+        undo.clear()
+        self._commit()
+        return StepStats(
+            stats, accumulating=False, micro_step=micro, accumulate=self._divisor(), step=self._steps, scale=scale
+        )
 
-    def _real_step(self, active: dict[str, Group], micro: int) -> StepStats:
+    def _real_step(self, active: dict[str, Group], undo: Rollback) -> tuple[dict[str, GroupStats], float | None]:
+        """Unscale, hooks, norms and clipping, optimizers, one scaler update, schedulers; each change preceded
+        by its copy in ``undo``. Nothing here touches the counters or zeroes a gradient."""
         scaling = self._scaling
         scale = float(self.scaler.get_scale()) if scaling else None
+        undo.grads(active.values())
         # 1. Unscale every optimizer once, all gradients being in. Record what GradScaler found.
         found_inf: dict[str, bool] = {}
         for name, g in active.items():
             if scaling:
                 self.scaler.unscale_(g.optimizer)
-            found_inf[name] = self._found_inf(g) if scaling else False
+                found_inf[name] = self._scaler.found_inf(g.optimizer, list(g.params))
+            else:
+                found_inf[name] = False
         # 2. Hooks see every group unscaled and none stepped.
         for g in active.values():
             if g.grad_hook is not None:
                 g.grad_hook([p for p in g.params if p.grad is not None])
-        # 3. Norm of the unscaled gradients; clip per group.
-        norms: dict[str, torch.Tensor] = {}
-        for name, g in active.items():
-            params = [p for p in g.params if p.grad is not None]
-            if g.max_grad_norm is not None:
-                norms[name] = torch.nn.utils.clip_grad_norm_(params, g.max_grad_norm)
-            else:
-                norms[name] = _total_norm([p.grad for p in params if p.grad is not None])
+        # 3. Norm of the unscaled gradients; a non-finite one skips the group; clip the others.
+        norms = {name: self._norm_and_clip(g, found_inf, name) for name, g in active.items()}
         lrs = {name: _lrs(g) for name, g in self.groups.items()}  # the learning rates this step uses
         # 4. One optimizer step per group (GradScaler skips a group with inf/NaN), then ONE scaler update.
-        for g in active.values():
-            assert g.optimizer is not None  # checked by _check_configured
+        for name, g in active.items():
+            assert g.optimizer is not None  # checked by check_configured
+            if found_inf[name] and not scaling:
+                continue
+            if not found_inf[name]:
+                undo.optimizer(g)
             if scaling:
                 self.scaler.step(g.optimizer)
             else:
@@ -249,22 +286,15 @@ class Stepper:
         if scaling and active:
             self.scaler.update()
         # 5. Schedulers count optimizer updates actually applied.
-        for name, g in active.items():
-            if g.scheduler is not None and not found_inf[name]:
-                g.scheduler.step()
-        # 6. Zero every group, skipped ones included (their gradients may hold inf).
-        for g in self.groups.values():
-            for p in g.params:
-                p.grad = None
-        losses = self._take_losses()
-        self._micro = 0
-        self._steps += 1
-        self._sync.next_micro_batch(0, self.accumulate)
-        self._phase = _Phase.READY
-        stats = {
+        scheduled = [g for name, g in active.items() if g.scheduler is not None and not found_inf[name]]
+        undo.schedulers(scheduled)
+        for g in scheduled:
+            g.scheduler.step()
+        losses = {name: float(total) / self._divisor() for name, total in self._losses.items()}
+        groups = {
             name: GroupStats(
                 loss=losses.get(name),
-                grad_norm=float(norms[name]) if name in norms else None,
+                grad_norm=norms.get(name),
                 lr=lrs[name][0],
                 lrs=lrs[name],
                 skipped=name not in active or found_inf[name],
@@ -272,71 +302,30 @@ class Stepper:
             )
             for name in self.groups
         }
-        return StepStats(
-            stats,
-            accumulating=False,
-            micro_step=micro,
-            accumulate=self._divisor(),
-            step=self._steps,
-            scale=scale,
-        )
+        return groups, scale
 
-    def _found_inf(self, g: Group) -> bool:
-        """Whether ``scaler.step`` will skip ``g``'s optimizer: the record ``unscale_`` left in the scaler.
+    def _norm_and_clip(self, g: Group, found_inf: dict[str, bool], name: str) -> float:
+        """The total norm of ``g``'s unscaled gradients; clip them to ``max_grad_norm`` unless the group is
+        skipped. Without a scaler, a non-finite norm marks the group skipped (``skip_nonfinite``)."""
+        params = [p for p in g.params if p.grad is not None]
+        norm = _total_norm([p.grad for p in params if p.grad is not None])
+        value = float(norm)
+        if not self._scaling and self.skip_nonfinite and not math.isfinite(value):
+            found_inf[name] = True
+        if g.max_grad_norm is not None and not found_inf[name]:
+            _clip_with_norm(params, g.max_grad_norm, norm)
+        return value
 
-        ``GradScaler._found_inf_per_device(optimizer)`` is private (torch has no public query for it); it is
-        what ``scaler.step`` itself sums to decide. Without it, the unscaled gradients are checked.
-        """
-        record = getattr(self.scaler, "_found_inf_per_device", None)
-        if record is not None:
-            return bool(sum(float(v) for v in record(g.optimizer).values()))
-        return not all(bool(torch.isfinite(p.grad).all()) for p in g.params if p.grad is not None)
-
-    def _take_losses(self) -> dict[str, float]:
-        out = {name: float(total) / self._divisor() for name, total in self._losses.items()}
-        self._losses = {}
-        return out
-
-    # ------------------------------------------------------------------ checks (nothing touched yet)
-
-    def _check_configured(self) -> None:
-        missing = [n for n, g in self.groups.items() if g.optimizer is None]
-        if missing:
-            raise RuntimeError(
-                f"`step()` needs an optimizer for every group; group `{missing[0]}` has none "
-                f"(give it: Router({missing[0]}=gradroute.Group(module, optimizer=...)), or step the "
-                "optimizers yourself and do not call router.step())"
-            )
-        for name in self.groups:
-            why = optimizer_mismatch(name, self.groups) or scheduler_mismatch(name, self.groups)
-            if why:
-                raise RuntimeError(f"{why}; it changed after the Router was built")
-
-    def _check_gradients(self, active: Mapping[str, Group]) -> None:
-        if not self._scaling:
-            return
-        try:
-            from torch.amp.grad_scaler import OptState
-
-            ready: Any = OptState.READY
-        except ImportError:  # pragma: no cover - torch without torch.amp.grad_scaler
-            ready = None
-        states = getattr(self.scaler, "_per_optimizer_states", {})
-        for name, g in active.items():
-            state = states.get(id(g.optimizer)) if isinstance(states, Mapping) else None
-            if ready is not None and state is not None and state.get("stage", ready) is not ready:
-                raise RuntimeError(
-                    f"the scaler was already used on group `{name}`'s optimizer since its last update() "
-                    f"(stage {state['stage'].name}): router.step() unscales and steps every optimizer "
-                    "itself; do not call scaler.unscale_/scaler.step on them"
-                )
+    def _commit(self) -> None:
+        """The step succeeded: zero every group (skipped ones too: their gradients may hold inf), count it."""
+        for g in self.groups.values():
             for p in g.params:
-                if p.grad is not None and p.grad.dtype == torch.float16:
-                    raise ValueError(
-                        f"{describe_param(p, self.groups)} of group `{name}` has float16 gradients, which "
-                        "GradScaler cannot unscale: keep the parameters in float32 and compute in float16 "
-                        "with torch.autocast"
-                    )
+                p.grad = None
+        self._losses = {}
+        self._micro = 0
+        self._steps += 1
+        self._phase = _Phase.READY
+        self._sync.next_micro_batch(0, self.accumulate)
 
     # ------------------------------------------------------------------ zero_grad and resume
 
@@ -355,15 +344,16 @@ class Stepper:
         self._sync.next_micro_batch(0, self.accumulate)
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizers, schedulers, scaler, counters; and the window's gradients when saved inside one."""
+        """Optimizers, schedulers, scaler, counters; and the window's gradients and losses when saved inside one."""
         in_window = self._micro > 0 or self._phase is _Phase.BACKWARD
         return {
-            "format": _FORMAT,
+            "format": STATE_FORMAT,
             "accumulate": self.accumulate,
             "micro_step": self._micro,
             "steps": self._steps,
             "backward_pending": self._phase is _Phase.BACKWARD,
-            "losses": {n: float(v) for n, v in self._losses.items()},
+            # float32 tensors, as summed: a float64 round trip would change the resumed run's reported loss
+            "losses": {n: v.detach().to("cpu", copy=True) for n, v in self._losses.items()},
             "grads": (
                 {
                     n: [None if p.grad is None else p.grad.detach().clone() for p in g.params]
@@ -378,157 +368,43 @@ class Stepper:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; everything is checked before anything is loaded."""
-        sd = self._check_state_dict(state_dict)
-        for name, g in self.groups.items():
-            if g.optimizer is not None:
-                g.optimizer.load_state_dict(sd["optimizers"][name])
-            if g.scheduler is not None:
-                g.scheduler.load_state_dict(sd["schedulers"][name])
-        if self.scaler is not None and sd["scaler"]:
-            self.scaler.load_state_dict(sd["scaler"])
-        grads = sd["grads"] or {}
-        for name, g in self.groups.items():
-            saved = grads.get(name)
-            for k, p in enumerate(g.params):
-                p.grad = None if saved is None or saved[k] is None else saved[k].detach().to(p).clone()
-        self._micro = int(sd["micro_step"])
+        """Restore :meth:`state_dict`; everything is checked before anything is loaded, and a load that fails
+        half-way (an optimizer refusing its state) is undone."""
+        sd = check_state_dict(
+            state_dict, self.groups, self._scaler, self.accumulate, window=max(self.accumulate, self._divisor())
+        )
+        undo = Rollback()
+        undo.grads(self.groups.values())
+        scaler_state = self._scaler.snapshot()
+        try:
+            for name, g in self.groups.items():
+                undo.optimizer(g, params=False)
+                if g.optimizer is not None:
+                    g.optimizer.load_state_dict(sd["optimizers"][name])
+            undo.schedulers(self.groups.values())
+            for name, g in self.groups.items():
+                if g.scheduler is not None:
+                    g.scheduler.load_state_dict(sd["schedulers"][name])
+            if self.scaler is not None and sd["scaler"]:
+                self.scaler.load_state_dict(sd["scaler"])
+            grads = sd["grads"] or {}
+            for name, g in self.groups.items():
+                saved = grads.get(name)
+                for k, p in enumerate(g.params):
+                    p.grad = None if saved is None or saved[k] is None else saved[k].detach().to(p).clone()
+        except BaseException:
+            undo.restore()
+            self._scaler.restore(scaler_state)
+            raise
+        self._micro = sd["micro_step"]
         self._sync.next_micro_batch(self._micro, self.accumulate)
-        self._steps = int(sd["steps"])
-        self._losses = {n: torch.tensor(float(v), dtype=torch.float64) for n, v in sd["losses"].items()}
+        self._steps = sd["steps"]
+        self._losses = {n: torch.as_tensor(v, dtype=torch.float32).reshape(()).clone() for n, v in sd["losses"].items()}
         self._pending = {}
         self._phase = _Phase.BACKWARD if sd["backward_pending"] else _Phase.READY
 
-    def _check_state_dict(self, sd: Any) -> Mapping[str, Any]:
-        if not isinstance(sd, Mapping):
-            raise TypeError(f"`state_dict` must be a mapping from Router.state_dict(), got {type(sd).__name__}")
-        if sd.get("format") != _FORMAT:
-            raise ValueError(
-                f"`state_dict` is not from Router.state_dict() (format {sd.get('format')!r}, expected {_FORMAT!r})"
-            )
-        for kind, attr in (("optimizers", "optimizer"), ("schedulers", "scheduler")):
-            have = {n for n, g in self.groups.items() if getattr(g, attr) is not None}
-            saved = set(sd[kind])
-            if have != saved:
-                raise ValueError(
-                    f"`state_dict` has {kind} for groups {sorted(saved)}, this Router for groups {sorted(have)}"
-                )
-        for name in sorted(sd["optimizers"]):
-            opt = self.groups[name].optimizer
-            assert opt is not None
-            saved_groups = sd["optimizers"][name].get("param_groups", [])
-            sizes = [len(pg["params"]) for pg in saved_groups]
-            mine = [len(pg["params"]) for pg in opt.param_groups]
-            if sizes != mine:
-                raise ValueError(
-                    f"the saved optimizer of group `{name}` has parameter groups of sizes {sizes}, this one {mine}"
-                )
-        saved_scaler = sd["scaler"]
-        if self._scaling and not saved_scaler:
-            raise ValueError("`state_dict` was saved without an enabled scaler; this Router's scaler is enabled")
-        if self.scaler is None and saved_scaler:
-            raise ValueError("`state_dict` holds a scaler's state; this Router has no `scaler`")
-        micro = sd["micro_step"]
-        if not (isinstance(micro, int) and 0 <= micro < max(self.accumulate, self._divisor())):
-            raise ValueError(
-                f"`state_dict` was saved at micro-batch {micro!r} of an accumulation window of "
-                f"{sd['accumulate']}; this Router has accumulate={self.accumulate}"
-            )
-        if sd["accumulate"] != self.accumulate and (micro or sd["backward_pending"]):
-            raise ValueError(
-                f"`state_dict` was saved inside an accumulation window of {sd['accumulate']} micro-batches; "
-                f"this Router has accumulate={self.accumulate}"
-            )
-        unknown = set(sd["losses"]) - set(self.groups)
-        if unknown:
-            raise ValueError(f"`state_dict` has losses for unknown groups {sorted(unknown)}")
-        for name, saved in (sd["grads"] or {}).items():
-            g = self.groups.get(name)
-            if g is None or len(saved) != len(g.params):
-                raise ValueError(f"`state_dict` has gradients for group `{name}` that do not match this Router")
-            for k, (t, p) in enumerate(zip(saved, g.params, strict=True)):
-                if t is not None and tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"`state_dict` gradient {k} of group `{name}` has shape {tuple(t.shape)}, "
-                        f"the parameter {tuple(p.shape)}"
-                    )
-        return sd
-
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _check_accumulate(accumulate: Any) -> int:
-    if isinstance(accumulate, bool):
-        raise TypeError(f"`accumulate` must be an int >= 1, got bool ({accumulate!r})")
-    try:
-        n = operator.index(accumulate)
-    except TypeError:
-        raise TypeError(f"`accumulate` must be an int >= 1, got {type(accumulate).__name__} ({accumulate!r})") from None
-    if n < 1:
-        raise ValueError(f"`accumulate` must be >= 1, got {accumulate!r}")
-    return n
-
-
-_SCALER_METHODS = (
-    "scale",
-    "unscale_",
-    "step",
-    "update",
-    "get_scale",
-    "is_enabled",
-    "state_dict",
-    "load_state_dict",
-)
-
-
-def _check_scaler(scaler: Any) -> Any:
-    if scaler is None:
-        return None
-    lacking = [m for m in _SCALER_METHODS if not callable(getattr(scaler, m, None))]
-    if lacking:
-        raise TypeError(
-            f"`scaler` must be a torch.amp.GradScaler or None, got {type(scaler).__name__} "
-            f"(it has no {', '.join(lacking)})"
-        )
-    return scaler
-
-
-def _check_step_parts(groups: Mapping[str, Group]) -> None:
-    """Optimizers own exactly their group's parameters, schedulers are bound to them; ValueError otherwise."""
-    owner: dict[int, str] = {}
-    for name, g in groups.items():
-        if g.optimizer is not None:
-            for m in ("step", "zero_grad", "state_dict", "load_state_dict"):
-                if not callable(getattr(g.optimizer, m, None)) or not hasattr(g.optimizer, "param_groups"):
-                    raise TypeError(
-                        f"`optimizer` of group `{name}` must be a torch.optim.Optimizer, "
-                        f"got {type(g.optimizer).__name__}"
-                    )
-            why = optimizer_mismatch(name, groups)
-            if why:
-                raise ValueError(why)
-            for p in g.params:
-                other = owner.setdefault(id(p), name)
-                if other != name:
-                    raise ValueError(
-                        f"{describe_param(p, groups)} is in groups `{other}` and `{name}`, which both have "
-                        "an optimizer: it would be unscaled, clipped and stepped twice"
-                    )
-        if g.scheduler is not None:
-            if isinstance(g.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                raise TypeError(
-                    f"`scheduler` of group `{name}` is a ReduceLROnPlateau, which steps on a metric: leave "
-                    "`scheduler` unset and call its step(metric) yourself"
-                )
-            for m in ("step", "state_dict", "load_state_dict"):
-                if not callable(getattr(g.scheduler, m, None)):
-                    raise TypeError(
-                        f"`scheduler` of group `{name}` must be a torch LRScheduler, got {type(g.scheduler).__name__}"
-                    )
-            why = scheduler_mismatch(name, groups)
-            if why:
-                raise ValueError(why)
 
 
 def _loss_value(losses: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -550,6 +426,15 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(  # pragma: no cover - torch < 2.6
         torch.stack([torch.linalg.vector_norm(g.detach()).to(device) for g in grads])
     )
+
+
+def _clip_with_norm(params: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """What ``clip_grad_norm_`` does once it has the total norm (the same kernels, so the same bits)."""
+    clip = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+    if clip is not None:
+        clip(params, max_norm, total_norm)
+    else:  # pragma: no cover - torch < 2.6
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def _lrs(g: Group) -> tuple[float, ...]:

@@ -110,7 +110,12 @@ def execute(
     """
     nodes = program.graph.nodes
     per_call = {nodes[i] for i in program.planned.per_call}
-    with routed_backward(remake_min_bytes, recompute_per_call=per_call):
+    # the nodes the engine calls start from: how autograd's device threads recognise this routed backward
+    starts = [
+        *(t.grad_fn for r in program.routes for t in r.losses),
+        *(nodes[j] for call in program.plan.calls for j, _ in call.wiring.edges_in),
+    ]
+    with routed_backward(remake_min_bytes, recompute_per_call=per_call, starts=starts):
         return _run(program, accumulate)
 
 

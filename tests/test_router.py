@@ -528,3 +528,42 @@ def test_freed_check_does_not_unpack_checkpointed_tensors():
 def test_groups_not_a_mapping_fails():
     with pytest.raises(TypeError, match=r"`groups` must be a mapping of name -> group, got list"):
         gradroute.Router([mlp(2, 2)])  # type: ignore[arg-type]
+
+
+def test_graph_freed_in_part_fails_before_any_gradient_is_written():
+    """Another backward freed the nodes the losses share below `tenc`: refused before the unet's pass runs."""
+    router, _, tenc, unet = _router_and_losses()
+    h = tenc(torch.randn(5, 4, dtype=D))
+    out = unet(h)
+    h.exp().sum().backward()
+    for p in tenc.parameters():
+        p.grad = None
+    with pytest.raises(gradroute.GraphFreedError, match=r"a loss routed to `tenc`, `unet`: .* already freed"):
+        router.backward(tenc=out.mean(), unet=out.pow(2).mean())
+    assert _untouched(tenc, unet)
+
+
+def test_complex_loss_fails():
+    router, out, tenc, unet = _router_and_losses()
+    loss = torch.view_as_complex(out[:, :2].contiguous()).sum()
+    with pytest.raises(TypeError, match=r"loss for group `unet` must be a real floating-point scalar, got dtype"):
+        router.backward(tenc=out.mean(), unet=loss)
+    assert _untouched(tenc, unet)
+
+
+@pytest.mark.parametrize("value", [5, None, 2.5, [1], b"tenc"])
+def test_allow_unreached_of_wrong_type_fails(value):
+    with pytest.raises(TypeError, match=r"`allow_unreached` must (be True, False or an iterable|hold group names)"):
+        gradroute.Router(tenc=mlp(2, 2), allow_unreached=value)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"scaler": 3}, {"accumulate": 0}, {"allow_unreached": ["vae"]}, {"plan_options": 1}, {"other": 5}]
+)
+def test_failed_construction_leaves_the_callers_group_unrenamed(bad):
+    group = gradroute.Group(mlp(2, 2), name="mine")
+    with pytest.raises((TypeError, ValueError)):
+        gradroute.Router(tenc=group, **bad)
+    assert group.name == "mine"
+    gradroute.Router(tenc=group)
+    assert group.name == "tenc"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import math
 import re
 import warnings
@@ -20,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradroute
+from gradroute._step_checks import STATE_KEYS
 from gradroute.schedules import warmup_power
+from tests._state import assert_same, whole_state
 
 ROOT = Path(__file__).resolve().parents[1]
 INF = float("inf")
@@ -223,7 +226,7 @@ def test_inf_in_one_group_skips_only_that_optimizer(opt_kind: str) -> None:
                 assert math.isfinite(stats["tenc"].grad_norm)
                 for before, p in zip(unet_before, ours.unet.parameters(), strict=True):
                     assert torch.equal(before, p)  # the skipped network is unchanged, bit for bit
-                assert_state_equal(opt_u_before, ours.opt_u.state_dict())
+                assert_same(opt_u_before, ours.opt_u.state_dict())
                 assert ours.scaler.get_scale() == scale_before * 0.5  # backed off once, not once per optimizer
                 assert ours.sched_u.last_epoch == 1 and ours.sched_t.last_epoch == 2
             assert ours.scaler.get_scale() == ref.scaler.get_scale()
@@ -480,33 +483,6 @@ def test_docs_training_step_block_runs(capsys: pytest.CaptureFixture[str]) -> No
 # ---------------------------------------------------------------------- call-order and configuration errors
 
 
-def _snapshot(s: Setup) -> tuple:
-    return (
-        [p.detach().clone() for m in (s.tenc, s.unet) for p in m.parameters()],
-        [None if p.grad is None else p.grad.clone() for m in (s.tenc, s.unet) for p in m.parameters()],
-        copy.deepcopy(s.opt_t.state_dict()),
-        copy.deepcopy(s.opt_u.state_dict()),
-        s.sched_t.last_epoch,
-        s.sched_u.last_epoch,
-        None if s.scaler is None else s.scaler.state_dict(),
-    )
-
-
-def assert_state_equal(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys()
-        for k in a:
-            assert_state_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_state_equal(x, y)
-    else:
-        assert a == b
-
-
 def _trained_once(precision: str = "fp16-scaler") -> tuple[Setup, gradroute.Router]:
     s = Setup("adamw-foreach", precision)
     router = s.router(max_t=1.0)
@@ -528,10 +504,10 @@ def test_step_without_backward_fails() -> None:
 
 def test_step_twice_after_one_backward_fails() -> None:
     s, router = _trained_once()
-    before = _snapshot(s)
+    before = whole_state(router)
     with pytest.raises(RuntimeError, match=r"no `backward\(\)` since the last `step\(\)` \(state: ready\)"):
         router.step()
-    assert_state_equal(before, _snapshot(s))
+    assert_same(before, whole_state(router))
 
 
 def test_step_with_a_group_without_optimizer_fails() -> None:
@@ -567,10 +543,10 @@ def test_optimizer_changed_after_construction_fails() -> None:
     s, router = _trained_once()
     _backward(s, router)
     s.opt_t.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
-    before = _snapshot(s)
+    before = whole_state(router)
     with pytest.raises(RuntimeError, match=r"also holds 1 parameter\(s\).*changed after the Router was built"):
         router.step()
-    assert_state_equal(before, _snapshot(s))
+    assert_same(before, whole_state(router))
 
 
 def test_same_parameters_in_two_stepped_groups_fails() -> None:
@@ -610,10 +586,10 @@ def test_scheduler_changed_to_another_optimizer_fails() -> None:
     s, router = _trained_once()
     _backward(s, router)
     s.sched_t.optimizer = s.opt_u
-    before = _snapshot(s)
+    before = whole_state(router)
     with pytest.raises(RuntimeError, match=r"bound to the optimizer of group `unet`.*changed after the Router"):
         router.step()
-    assert_state_equal(before, _snapshot(s))
+    assert_same(before, whole_state(router))
 
 
 def test_scheduler_without_optimizer_fails() -> None:
@@ -641,10 +617,10 @@ def test_step_after_manual_unscale_fails() -> None:
     s, router = _trained_once()
     _backward(s, router)
     s.scaler.unscale_(s.opt_u)
-    before = _snapshot(s)
+    before = whole_state(router)
     with pytest.raises(RuntimeError, match=r"scaler was already used on group `unet`'s optimizer.*stage UNSCALED"):
         router.step()
-    assert_state_equal(before, _snapshot(s))
+    assert_same(before, whole_state(router))
 
 
 def test_float16_gradients_with_scaler_fails() -> None:
@@ -672,7 +648,7 @@ def test_load_state_dict_with_other_groups_fails() -> None:
     before = copy.deepcopy(other.opt_t.state_dict())
     with pytest.raises(ValueError, match=r"has optimizers for groups \['tenc', 'unet'\], this Router for groups"):
         lone.load_state_dict(saved)
-    assert_state_equal(before, other.opt_t.state_dict())
+    assert_same(before, other.opt_t.state_dict())
 
 
 def test_load_state_dict_without_scaler_fails() -> None:
@@ -680,10 +656,10 @@ def test_load_state_dict_without_scaler_fails() -> None:
     saved = router.state_dict()
     fresh = Setup("adamw-foreach", "fp32", seed=3)
     target = fresh.router()
-    before = _snapshot(fresh)
+    before = whole_state(target)
     with pytest.raises(ValueError, match="holds a scaler's state; this Router has no `scaler`"):
         target.load_state_dict(saved)
-    assert_state_equal(before, _snapshot(fresh))
+    assert_same(before, whole_state(target))
 
 
 def test_load_state_dict_from_another_window_size_fails() -> None:
@@ -742,3 +718,193 @@ def test_skip_reason_tells_nonfinite_from_no_gradient():
     assert (stats["a"].skipped, stats["a"].skip_reason) == (True, "nonfinite")
     assert (stats["b"].skipped, stats["b"].skip_reason) == (False, None)
     assert (stats["c"].skipped, stats["c"].skip_reason) == (True, "no_grad")
+
+
+# ---------------------------------------------------------------------- resume from any point of a window
+
+
+def _window_run(seed: int, scaler: bool) -> tuple[nn.Module, nn.Module, gradroute.Router]:
+    tenc, unet = make_nets(seed)
+    opt_t = torch.optim.AdamW(tenc.parameters(), lr=1e-2, weight_decay=1e-2)
+    opt_u = torch.optim.AdamW(unet.parameters(), lr=2e-2)
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=opt_t, scheduler=warmup_power(opt_t, 2, 2.0, 10), max_grad_norm=0.5),
+        unet=gradroute.Group(unet, optimizer=opt_u, scheduler=warmup_power(opt_u, 2, 3.0, 10)),
+        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1) if scaler else None,
+        accumulate=3,
+    )
+    return tenc, unet, router
+
+
+def _events(n_batches: int) -> list[tuple[str, int]]:
+    return [(what, k) for k in range(n_batches) for what in ("backward", "step")]
+
+
+def _play(tenc: nn.Module, unet: nn.Module, router: gradroute.Router, events: list, dtype: Any) -> list:
+    batches = make_batches(9, size=4)
+    out = []
+    for what, k in events:
+        if what == "backward":
+            router.backward(loss_dict(tenc, unet, batches[k], dtype))
+        else:
+            out.append(router.step())
+    return out
+
+
+@pytest.mark.parametrize("scaler", [False, True])
+@pytest.mark.parametrize("cut", range(6, 12))  # after each backward and each step() of the second window
+def test_resume_anywhere_in_a_window_is_bit_identical(cut: int, scaler: bool) -> None:
+    dtype = torch.float16 if scaler else None
+    events = _events(9)  # 3 real steps of 3 micro-batches
+    tenc_a, unet_a, router_a = _window_run(0, scaler)
+    stats_a = _play(tenc_a, unet_a, router_a, events, dtype)
+
+    tenc_b, unet_b, router_b = _window_run(0, scaler)
+    _play(tenc_b, unet_b, router_b, events[:cut], dtype)
+    buffer = io.BytesIO()
+    torch.save({"tenc": tenc_b.state_dict(), "unet": unet_b.state_dict(), "router": router_b.state_dict()}, buffer)
+    buffer.seek(0)
+    ckpt = torch.load(buffer, weights_only=True)
+
+    tenc_c, unet_c, router_c = _window_run(123, scaler)  # other weights: everything must come from the file
+    tenc_c.load_state_dict(ckpt["tenc"])
+    unet_c.load_state_dict(ckpt["unet"])
+    router_c.load_state_dict(ckpt["router"])
+    stats_c = _play(tenc_c, unet_c, router_c, events[cut:], dtype)
+
+    assert stats_c == stats_a[-len(stats_c) :]  # reported losses and norms included, to the last bit
+    assert [s.step for s in stats_c] == [s.step for s in stats_a[-len(stats_c) :]]
+    assert_same(whole_state(router_a), whole_state(router_c))
+
+
+# ---------------------------------------------------------------------- non-finite gradients without a scaler
+
+
+def _nonfinite_run(skip: bool, max_norm: float | None) -> tuple[gradroute.Router, list[nn.Module]]:
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (a, b)]
+    router = gradroute.Router(
+        a=gradroute.Group(a, optimizer=opts[0], scheduler=warmup_power(opts[0], 2, 2.0, 10), max_grad_norm=max_norm),
+        b=gradroute.Group(b, optimizer=opts[1], scheduler=warmup_power(opts[1], 2, 2.0, 10), max_grad_norm=max_norm),
+        skip_nonfinite=skip,
+    )
+    x = torch.randn(2, 3)
+    router.backward(a=a(x).sum(), b=b(x).sum())
+    router.step()  # momentum buffers exist
+    router.backward(a=a(torch.tensor([[INF, 1.0, 1.0]])).sum(), b=b(x).sum())
+    return router, [a, b]
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_nonfinite_gradient_without_scaler_skips_only_that_group(max_norm: float | None) -> None:
+    router, _ = _nonfinite_run(True, max_norm)
+    ref, _ = _nonfinite_run(True, max_norm)
+    before = whole_state(router)
+    stats = router.step()
+    assert (stats["a"].skipped, stats["a"].skip_reason) == (True, "nonfinite")
+    assert not math.isfinite(stats["a"].grad_norm)
+    assert (stats["b"].skipped, stats["b"].skip_reason) == (False, None)
+    after = whole_state(router)
+    for key in ("params", "optimizer", "scheduler"):
+        assert_same(before["a"][key], after["a"][key])
+    # group b stepped as it would alone
+    g = ref.groups["b"]
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(g.params, max_norm)
+    g.optimizer.step()
+    g.scheduler.step()
+    assert_same([p.detach() for p in g.params], after["b"]["params"])
+    assert all(p.grad is None for grp in router.groups.values() for p in grp.params)
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_skip_nonfinite_false_keeps_torchs_behaviour(max_norm: float | None) -> None:
+    router, _ = _nonfinite_run(False, max_norm)
+    ref, _ = _nonfinite_run(False, max_norm)
+    stats = router.step()
+    assert not stats["a"].skipped and stats["a"].skip_reason is None
+    for g in ref.groups.values():
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(g.params, max_norm)
+        g.optimizer.step()
+    for name in ("a", "b"):
+        for p, q in zip(router.groups[name].params, ref.groups[name].params, strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
+    assert not all(torch.isfinite(p).all() for p in router.groups["a"].params)
+
+
+# ---------------------------------------------------------------------- load_state_dict checks everything first
+
+
+@pytest.mark.parametrize("key", [k for k in STATE_KEYS if k != "format"])
+def test_load_state_dict_missing_key_fails(key: str) -> None:
+    s, router = _trained_once()
+    saved = router.state_dict()
+    del saved[key]
+    before = whole_state(router)
+    with pytest.raises(ValueError, match=rf"`state_dict` has no key '{key}'"):
+        router.load_state_dict(saved)
+    assert_same(before, whole_state(router))
+
+
+def test_load_state_dict_with_moments_of_other_shapes_fails() -> None:
+    """Same parameter counts, other shapes: the saved AdamW moments cannot belong to these parameters."""
+    _, router = _trained_once()
+    saved = router.state_dict()
+    torch.manual_seed(5)
+    tenc = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(8, 8))  # the first layer transposed
+    _, unet = make_nets(5)
+    opt_t, opt_u = torch.optim.AdamW(tenc.parameters()), torch.optim.AdamW(unet.parameters())
+    target = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=opt_t, scheduler=warmup_power(opt_t, 2, 2.0, 6)),
+        unet=gradroute.Group(unet, optimizer=opt_u, scheduler=warmup_power(opt_u, 2, 2.0, 6)),
+        scaler=torch.amp.GradScaler("cpu"),
+    )
+    before = whole_state(target)
+    with pytest.raises(
+        ValueError, match=r"`state_dict\['optimizers'\]\['tenc'\]\['state'\]\[0\]\['exp_avg'\]` has shape \(8, 4\)"
+    ):
+        target.load_state_dict(saved)
+    assert_same(before, whole_state(target))
+
+
+def test_load_state_dict_with_gradients_of_another_dtype_fails() -> None:
+    s, router = _trained_once()
+    _backward(s, router)
+    saved = router.state_dict()
+    saved["grads"]["unet"][0] = saved["grads"]["unet"][0].double()
+    before = whole_state(router)
+    with pytest.raises(ValueError, match=r"gradient 0 of group `unet` has shape \(8, 8\), torch.float64"):
+        router.load_state_dict(saved)
+    assert_same(before, whole_state(router))
+
+
+@pytest.mark.parametrize("value", ["1.5", [1.0], None])
+def test_load_state_dict_with_a_loss_that_is_not_a_number_fails(value: Any) -> None:
+    s, router = _trained_once()
+    _backward(s, router)
+    saved = router.state_dict()
+    saved["losses"]["tenc"] = value
+    with pytest.raises(TypeError, match=r"`state_dict\['losses'\]\['tenc'\]` must be a scalar float tensor"):
+        router.load_state_dict(saved)
+
+
+def test_load_state_dict_refused_halfway_by_an_optimizer_changes_nothing() -> None:
+    class Refusing(torch.optim.SGD):
+        def load_state_dict(self, state_dict: Any) -> None:
+            raise RuntimeError("refused")
+
+    s = Setup("sgd", "fp32")
+    router = s.router()
+    _backward(s, router)
+    router.step()
+    _backward(s, router)
+    saved = router.state_dict()
+    router.step()
+    _backward(s, router)  # the optimizer states and gradients differ from the saved ones
+    router.groups["unet"].optimizer.__class__ = Refusing  # after tenc's optimizer has loaded
+    before = whole_state(router)
+    with pytest.raises(RuntimeError, match="refused"):
+        router.load_state_dict(saved)
+    assert_same(before, whole_state(router))

@@ -10,7 +10,9 @@ thread-locals nor ``contextvars``. So a session is found in two ways:
 * for any other thread, by the engine's graph task: a routed call puts a pre-hook on the nodes its engine
   calls start from, which records ``graph task id -> session`` before any other node of that call runs
   (every node of an engine call runs after the node it starts from). Graph task ids are unique in the
-  process; the entries are dropped when the routed call returns.
+  process; the entries are dropped when the routed call returns. (A tensor hook on a start node's tensor runs
+  before that record on a device thread; saved-tensor unpacks, which is what ``gradroute.checkpoint`` does,
+  run inside the nodes and always after it.)
 
 Nothing is process-global "current": concurrent ``Router.backward`` calls from several threads each see their
 own session, a plain backward in another thread sees none, and a call that returns (or raises) leaves nothing

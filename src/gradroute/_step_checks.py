@@ -211,9 +211,9 @@ def _check_names(sd: Mapping[str, Any], kind: str, have: set[str]) -> None:
 
 def _check_optimizer_state(name: str, saved: Any, g: Group) -> None:
     """Parameter-group sizes, then every saved state tensor against the parameter it will be applied to."""
-    where = f"`state_dict['optimizers'][{name!r}]`"
+    where = f"state_dict['optimizers'][{name!r}]"
     if not isinstance(saved, Mapping) or "state" not in saved or "param_groups" not in saved:
-        raise ValueError(f"{where} must be an optimizer state_dict (with 'state' and 'param_groups')")
+        raise ValueError(f"`{where}` must be an optimizer state_dict (with 'state' and 'param_groups')")
     opt = g.optimizer
     assert opt is not None  # the names were checked against the groups with an optimizer
     sizes = [len(pg["params"]) for pg in saved["param_groups"]]
@@ -230,11 +230,11 @@ def _check_optimizer_state(name: str, saved: Any, g: Group) -> None:
     for k, state in saved["state"].items():
         p = index.get(k)
         if p is None:
-            raise ValueError(f"{where} has state for parameter index {k!r}, which none of its param_groups lists")
+            raise ValueError(f"`{where}` has state for parameter index {k!r}, which none of its param_groups lists")
         for key, t in state.items() if isinstance(state, Mapping) else ():
             if isinstance(t, torch.Tensor) and _state_mismatch(t, p):
                 raise ValueError(
-                    f"{where}['state'][{k!r}][{key!r}] has shape {tuple(t.shape)} and dtype {t.dtype}, but the "
+                    f"`{where}['state'][{k!r}][{key!r}]` has shape {tuple(t.shape)} and dtype {t.dtype}, but the "
                     f"parameter it belongs to, {describe_param(p, {name: g})}, has shape {tuple(p.shape)} and "
                     f"dtype {p.dtype}"
                 )

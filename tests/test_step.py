@@ -503,7 +503,7 @@ def test_step_without_backward_fails() -> None:
 
 
 def test_step_twice_after_one_backward_fails() -> None:
-    s, router = _trained_once()
+    _, router = _trained_once()
     before = whole_state(router)
     with pytest.raises(RuntimeError, match=r"no `backward\(\)` since the last `step\(\)` \(state: ready\)"):
         router.step()
@@ -839,7 +839,7 @@ def test_skip_nonfinite_false_keeps_torchs_behaviour(max_norm: float | None) -> 
 
 @pytest.mark.parametrize("key", [k for k in STATE_KEYS if k != "format"])
 def test_load_state_dict_missing_key_fails(key: str) -> None:
-    s, router = _trained_once()
+    _, router = _trained_once()
     saved = router.state_dict()
     del saved[key]
     before = whole_state(router)

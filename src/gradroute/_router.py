@@ -53,6 +53,13 @@ class Router:
             its ``scaler``), groups may hold its prepared optimizers and schedulers, and :meth:`step` steps
             when ``accelerator.sync_gradients`` is True. ``scaler`` and ``accumulate`` then come from it.
             See docs/integrations.md.
+        skip_nonfinite: without an enabled scaler, a group whose gradient norm is inf/NaN is not stepped (its
+            ``GroupStats.skip_reason`` is ``"nonfinite"``), as GradScaler does with one. ``False`` keeps
+            torch's behaviour: the optimizer steps and writes the inf/NaN into the parameters.
+        atomic_step: :meth:`step` is all-or-nothing: it keeps a copy of what it changes (the stepped groups'
+            gradients, parameters and optimizer state) until it returns, and puts everything back if anything
+            raises. ``False`` saves that memory; a failed step then leaves the groups as torch left them
+            (the scaler, schedulers and counters are still put back).
         **named_groups: groups by keyword.
 
     Example:
@@ -142,7 +149,10 @@ class Router:
         scale, negate or clip stay exact.
 
         Raises:
-            ValueError, TypeError: a bad loss or group name; raised before any ``.grad`` is touched.
+            ValueError, TypeError: a bad loss or group name, a loss that is not a real floating-point scalar;
+                raised before any ``.grad`` is touched.
+            gradroute.GraphFreedError: the graph of a loss (or a part it shares with the others) was freed
+                by an earlier backward; every loss's graph is checked before the first engine call.
         """
         check_backward(self._accelerator, self._stepper.accumulate)
         routes = self._routes(losses, named_losses, "backward")
@@ -202,6 +212,13 @@ class Router:
             used, read before the scheduler steps; ``skipped``), and ``accumulating`` (``True`` on a
             micro-step), ``micro_step``, ``step`` and ``scale``.
 
+        A real step is all-or-nothing: if anything raises inside it (a ``grad_hook``, an optimizer, a
+        scheduler, ``KeyboardInterrupt``), every group's parameters, gradients, optimizer state and
+        hyperparameters, the schedulers, the scaler and the accumulation counters are put back exactly as
+        before the call and the exception propagates unchanged; calling ``step()`` again retries the step
+        (each group is stepped once), ``zero_grad()`` drops it. Without an enabled scaler, a group whose
+        gradient norm is inf/NaN is skipped (``skip_reason="nonfinite"``; see ``skip_nonfinite``).
+
         Raises:
             RuntimeError: no :meth:`backward` since the last ``step()``; a group without ``optimizer``; an
                 optimizer or scheduler changed to not match its group since construction; the scaler already
@@ -246,9 +263,15 @@ class Router:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, into a Router built the same way.
 
+        It may be taken at any point of the loop (after :meth:`backward`, inside an accumulation window, after
+        :meth:`step`): the resumed run continues bit-identically, reported losses included.
+
         Raises:
-            ValueError, TypeError: the state does not match this Router (groups with optimizers or schedulers,
-                parameter-group sizes, scaler, accumulation window); checked before anything is loaded.
+            ValueError, TypeError: the state does not match this Router: a missing key, groups with optimizers
+                or schedulers, parameter-group sizes, a saved optimizer state whose tensors do not fit the
+                parameters (shape, real/complex), gradients of another shape or dtype, the scaler, the
+                accumulation window. Checked before anything is loaded; the error names the key and what it
+                found. If an optimizer or scheduler still refuses its state half-way, what was loaded is undone.
         """
         self._stepper.load_state_dict(state_dict)
 

@@ -158,6 +158,7 @@ class Router:
         routes = self._routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(routes)
         program = self._program(routes, merge_shared=True)
+        _check_graph_alive(program.graph.nodes, [r.name for r in routes])
         execute(program, accumulate=True, remake_min_bytes=self._options.remake_min_bytes)
         del program
         self._stepper.after_backward(routes)
@@ -173,6 +174,7 @@ class Router:
         """
         routes = self._routes(losses, named_losses, "grads")
         program = self._program(routes, merge_shared=False)
+        _check_graph_alive(program.graph.nodes, [r.name for r in routes])
         collected = execute(program, accumulate=False, remake_min_bytes=self._options.remake_min_bytes)
         del program
         return {r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)}
@@ -334,7 +336,6 @@ class Router:
         finally:
             if enabled:
                 gc.enable()
-        _check_graph_alive(program.graph.nodes, [r.name for r in routes])
         bad = [n for n in program.unreached if n not in self._allow_unreached]
         if bad:
             raise ValueError(

@@ -6,6 +6,7 @@ autograd graph. See :class:`Router`.
 
 from . import schedules
 from ._checkpoint import checkpoint, checkpoint_modules, cut_points
+from ._compile import compile
 from ._execute import GraphFreedError
 from ._group import Group
 from ._hf import enable_checkpointing
@@ -25,6 +26,7 @@ __all__ = [
     "StepStats",
     "checkpoint",
     "checkpoint_modules",
+    "compile",
     "cut_points",
     "enable_checkpointing",
     "schedules",

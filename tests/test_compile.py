@@ -15,7 +15,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradroute
-from gradroute import _compile
 from tests._reference import reference_grads
 
 D = 8
@@ -84,7 +83,7 @@ def test_routed_through_compiled_modules_matches_eager(checkpointed: bool, autoc
     router.backward(**_forward(c_tenc, c_unet, dtype, autocast)())
     for p in groups["tenc"] + groups["unet"]:
         torch.testing.assert_close(p.grad, expected[id(p)], **tol)
-    st = _compile.stats(c_unet)
+    st = gradroute.compile_stats(c_unet)
     assert st is not None and st.unaligned == 0
     assert tuple() not in st.masks  # every variant the engine asked for computes something
 
@@ -115,7 +114,7 @@ def test_compiled_routed_backward_computes_what_the_eager_one_does(dynamic: bool
     routed = [gradroute.compile(m, backend="aot_eager", dynamic=dynamic) for m in (tenc, unet)]
     _routed_flops(*routed, router)  # compiles
     assert _routed_flops(*routed, router) == eager < unpruned
-    st = _compile.stats(routed[1])
+    st = gradroute.compile_stats(routed[1])
     assert st is not None and st.unaligned == 0 and st.backwards == 1
     assert st.variants == 2  # the input gradient only (text encoder's pass), the weights only (UNet's pass)
 
@@ -179,5 +178,5 @@ def test_routed_through_inductor_compiled_modules_matches_eager() -> None:
         for name, params in groups.items():
             for p, g in zip(params, got[name], strict=True):
                 torch.testing.assert_close(g, expected[id(p)], rtol=1e-4, atol=1e-6)
-    st = _compile.stats(c_unet)
+    st = gradroute.compile_stats(c_unet)
     assert st is not None and st.unaligned == 0 and st.variants == 2

@@ -175,7 +175,7 @@ _STATS: weakref.WeakKeyDictionary[Any, CompileStats] = weakref.WeakKeyDictionary
 
 @dataclass
 class CompileStats:
-    """What the routed backend compiled, summed over its regions (one per graph dynamo captured).
+    """What :func:`gradroute.compile` compiled for one compiled module, summed over its regions (graphs).
 
     Attributes:
         regions: forward graphs compiled for training (each has one backward graph).
@@ -183,6 +183,7 @@ class CompileStats:
         variants: backward variants compiled, one per mask of needed gradients seen (the full one included).
         seconds: wall time spent compiling the variants.
         unaligned: backward graphs whose outputs could not be mapped onto the engine's edges (run whole).
+        masks: per variant, the indices of the backward graph's outputs it computes.
     """
 
     regions: int = 0
@@ -363,8 +364,17 @@ def compile(
     return compiled
 
 
-def stats(compiled: Any) -> CompileStats | None:
-    """What ``gradroute.compile`` compiled for ``compiled`` so far (None if it did not make it)."""
+def compile_stats(compiled: Any) -> CompileStats | None:
+    """What :func:`gradroute.compile` compiled for ``compiled`` so far, or None if it did not make ``compiled``.
+
+    Example:
+        >>> import torch, gradroute
+        >>> net = gradroute.compile(torch.nn.Linear(4, 4), backend="aot_eager")
+        >>> net(torch.randn(2, 4)).sum().backward()
+        >>> stats = gradroute.compile_stats(net)
+        >>> stats.backwards, stats.variants
+        (1, 1)
+    """
     try:
         return _STATS.get(compiled)
     except TypeError:

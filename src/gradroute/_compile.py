@@ -43,7 +43,8 @@ import torch
 # the graph, which donation forbids, and with donation off torch._functorch.config.donated_buffer needs no change.
 
 # ---------------------------------------------------------------------------------------------------------------
-# Private torch APIs: the only ones this module uses, all here (torch 2.4 - 2.13; checked against 2.13.0).
+# Private torch APIs: the only ones this module uses, all here (checked against torch 2.13.0; where one is
+# missing, `unavailable` says which, gradroute.compile falls back to torch.compile and the plan says so).
 #   torch._C._current_autograd_node, torch._C._will_engine_execute_node: the engine's state during a backward.
 #   torch._dynamo.backends.common.aot_autograd, torch._dynamo.backends.debugging.boxed_nop,
 #   torch._functorch.partitioners.min_cut_rematerialization_partition: the aot_eager backend's parts.
@@ -55,18 +56,34 @@ import torch
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def missing_engine_apis() -> str | None:
-    """The engine introspection this torch release lacks (then compiled regions run whole), or None."""
+_UNAVAILABLE: list[str | None] = []  # computed once: why this torch release cannot prune compiled backwards
+
+
+def unavailable() -> str | None:
+    """Why this torch release cannot specialise compiled backwards (a missing private API), or None."""
+    if _UNAVAILABLE:
+        return _UNAVAILABLE[0]
+    reason = None
     for name in ("_current_autograd_node", "_will_engine_execute_node"):
         if not hasattr(torch._C, name):
-            return f"torch {torch.__version__} has no torch._C.{name}"
-    return None
+            reason = f"torch {torch.__version__} has no torch._C.{name}"
+    try:
+        from torch._dynamo.backends.common import aot_autograd  # noqa: F401
+        from torch._dynamo.backends.debugging import boxed_nop  # noqa: F401
+        from torch._functorch._aot_autograd.logging_utils import get_aot_compilation_context  # noqa: F401
+        from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: F401
+        from torch._guards import compile_context, tracing  # noqa: F401
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: F401
+
+        torch._TorchCompileInductorWrapper  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        reason = reason or f"torch {torch.__version__}: {e}"
+    _UNAVAILABLE.append(reason)
+    return reason
 
 
 def _current_node() -> Any:
-    """The autograd node the engine is running (None outside a backward, or on a release without the API)."""
-    if missing_engine_apis() is not None:
-        return None
+    """The autograd node the engine is running (None outside a backward)."""
     return torch._C._current_autograd_node()
 
 
@@ -358,10 +375,32 @@ def compile(
         )
     if backend != "inductor" and (mode is not None or options):
         raise ValueError(f"`mode` and `options` are inductor's; got backend {backend!r}")
+    reason = unavailable()
+    if reason is not None:
+        warnings.warn(
+            f"gradroute.compile: compiled backwards are not pruned ({reason}); using torch.compile", stacklevel=2
+        )
+        return torch.compile(model, backend=backend, mode=mode, options=options, **kwargs)
     routed = RoutedBackend(backend, mode, options, kwargs.get("dynamic"))
     compiled = torch.compile(model, backend=routed, **kwargs)
     _STATS[compiled] = routed.stats
     return compiled
+
+
+def compile_module(module: torch.nn.Module, *, backend: str = "inductor", **kwargs: Any) -> CompileStats | None:
+    """``module.compile(...)`` (in place: the module's calls run compiled) with :func:`compile`'s backend.
+
+    Returns its :class:`CompileStats`, or None where this torch release cannot prune (plain ``module.compile``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if unavailable() is not None:
+        module.compile(backend=backend, **kwargs)
+        return None
+    routed = RoutedBackend(backend, kwargs.pop("mode", None), kwargs.pop("options", None), kwargs.get("dynamic"))
+    module.compile(backend=routed, **kwargs)
+    _STATS[module] = routed.stats
+    return routed.stats
 
 
 def compile_stats(compiled: Any) -> CompileStats | None:
@@ -390,18 +429,20 @@ def plan_note(nodes: Iterable[Any]) -> str | None:
     routed = len(ids) - plain
     parts = []
     if routed:
-        missing = missing_engine_apis()
         parts.append(
-            f"{routed} compiled region(s) of gradroute.compile: "
-            + (
-                f"not pruned ({missing}): each call computes all their input gradients"
-                if missing
-                else "each engine call runs a backward specialised for the gradients it needs"
-            )
+            f"{routed} compiled region(s) of gradroute.compile: each engine call through them runs a backward "
+            "specialised for the gradients it needs."
         )
     if plain:
+        reason = unavailable()
         parts.append(
-            f"{plain} compiled region(s) of torch.compile: every engine call through them computes all their "
-            "input gradients, weights included (compile with gradroute.compile to compute only what each pass needs)"
+            f"{plain} compiled region(s) not pruned: every engine call through them computes all their input "
+            "gradients, weights included ("
+            + (
+                f"gradroute.compile cannot prune them on this release: {reason}"
+                if reason
+                else "torch.compile; gradroute.compile computes only what each pass needs"
+            )
+            + ")."
         )
-    return "; ".join(parts) + "."
+    return " ".join(parts)

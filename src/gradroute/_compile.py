@@ -201,6 +201,15 @@ class CompileStats:
         seconds: wall time spent compiling the variants.
         unaligned: backward graphs whose outputs could not be mapped onto the engine's edges (run whole).
         masks: per variant, the indices of the backward graph's outputs it computes.
+
+    Example:
+        >>> import torch, gradroute
+        >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        >>> unet_c = gradroute.compile(unet, backend="aot_eager")
+        >>> loss = unet_c(tenc(torch.randn(2, 4))).sum()
+        >>> gradroute.Router(tenc=tenc, unet=unet).backward(tenc=loss, unet=loss)
+        >>> gradroute.compile_stats(unet_c).variants  # the input's gradient only; the weights' only
+        2
     """
 
     regions: int = 0

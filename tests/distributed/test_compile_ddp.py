@@ -8,17 +8,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradroute
 from tests.distributed._worker import assert_grads, batch, launch, losses, nets, reference
+from tests.distributed.test_ddp import Chain
 
 pytestmark = pytest.mark.distributed
-
-
-class _Chain(torch.nn.Module):
-    def __init__(self, tenc: torch.nn.Module, unet: torch.nn.Module) -> None:
-        super().__init__()
-        self.tenc, self.unet = tenc, unet
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.unet(self.tenc(x))
 
 
 def _compiled(rank: int, world: int) -> None:
@@ -31,7 +23,7 @@ def _compiled(rank: int, world: int) -> None:
             d_tenc, d_unet = DDP(tenc), DDP(compiled)
             forward = lambda x, d_tenc=d_tenc, d_unet=d_unet: d_unet(d_tenc(x))  # noqa: E731
         else:
-            forward = DDP(_Chain(tenc, compiled))
+            forward = DDP(Chain(tenc, compiled))
         router = gradroute.Router(tenc=tenc, unet=unet)
         for step in range(2):
             router.zero_grad()

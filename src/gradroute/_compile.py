@@ -179,7 +179,10 @@ def _inductor(region: Region, patches: dict[str, Any]) -> Callable[..., Any]:
 
 
 def _without_aot_cache() -> Any:
-    return torch._functorch.config.patch(enable_autograd_cache=False, force_autograd_cache=False)
+    import torch._functorch.config as functorch_config
+
+    keys = ("enable_autograd_cache", "force_autograd_cache")
+    return functorch_config.patch({k: False for k in keys if hasattr(functorch_config, k)})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,11 +236,12 @@ class Region:
         if not primals:
             return  # an inference graph: no backward
         slots: list[int | None] = []
+        tensors = 0
         for n in primals:
             is_tensor = isinstance(n.meta.get("val"), torch.Tensor)
-            slots.append(self.tensors if is_tensor else None)
-            self.tensors += is_tensor
-        self.slots = slots
+            slots.append(tensors if is_tensor else None)
+            tensors += is_tensor
+        self.slots, self.tensors = slots, tensors
         self.stats.regions += 1
         aot_id = _aot_id_being_compiled()
         if aot_id is not None:

@@ -180,3 +180,39 @@ def test_routed_through_inductor_compiled_modules_matches_eager() -> None:
                 torch.testing.assert_close(g, expected[id(p)], rtol=1e-4, atol=1e-6)
     st = gradroute.compile_stats(c_unet)
     assert st is not None and st.unaligned == 0 and st.variants == 2
+
+
+class _ConvUnet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.nn.functional.silu(self.norm(self.a(h))))
+
+
+@pytest.mark.parametrize("compile_fn", ["torch.compile", "gradroute.compile"])
+def test_compiled_conv_routed_backward_computes_what_the_eager_one_does(compile_fn: str) -> None:
+    # convolution_backward and group_norm_backward compute the input's, weight's and bias's gradients in one op:
+    # their output_mask is narrowed in each variant, or the text encoder's pass computes the UNet's conv weights
+    tenc, unet = nn.Conv2d(3, 4, 3, padding=1).double(), _ConvUnet().double()
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    g = torch.Generator().manual_seed(0)
+    x, target = torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64), torch.randn(2, 4, 8, 8, generator=g)
+
+    def routed_flops(t: Callable, u: Callable) -> int:
+        loss = (u(t(x)) - target.double()) ** 2
+        flops = _flops(lambda: router.backward(tenc=loss.mean(), unet=loss[:1].mean()))
+        router.zero_grad()
+        return flops
+
+    eager = routed_flops(tenc, unet)
+    if compile_fn == "torch.compile":
+        with torch._functorch.config.patch(donated_buffer=False):
+            compiled = torch.compile(unet, backend="aot_eager")
+            routed_flops(tenc, compiled)
+            assert routed_flops(tenc, compiled) > eager
+        return
+    compiled = gradroute.compile(unet, backend="aot_eager")
+    routed_flops(tenc, compiled)
+    assert routed_flops(tenc, compiled) == eager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 import time
 import warnings
 import weakref
@@ -324,8 +325,39 @@ def _pruned(gm: torch.fx.GraphModule, keep: Iterable[int]) -> torch.fx.GraphModu
     if visible is not None:
         out.meta["user_visible_output_idxs"] = [i for i in visible if i in kept]
     g.graph.eliminate_dead_code()
+    if _narrow_output_masks(g.graph):
+        g.graph.eliminate_dead_code()
     g.recompile()
     return g
+
+
+def _narrow_output_masks(graph: torch.fx.Graph) -> bool:
+    """Switch off the outputs nothing uses of ops that compute several gradients at once (an ``output_mask``).
+
+    ``convolution_backward`` and the norms' backwards return the input's, the weight's and the bias's gradients
+    from one call; dead-code elimination drops the unused ``getitem`` nodes but the op would still compute them.
+    Returns whether a mask changed.
+    """
+    changed = False
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        pos = next((k for k, a in enumerate(schema.arguments) if a.name == "output_mask"), None) if schema else None
+        if pos is None or any(u.target is not operator.getitem for u in node.users):
+            continue
+        in_kwargs = "output_mask" in node.kwargs
+        mask = node.kwargs["output_mask"] if in_kwargs else node.args[pos] if pos < len(node.args) else None
+        if not isinstance(mask, (list, tuple)):
+            continue
+        used = {u.args[1] for u in node.users}
+        narrowed = [bool(m) and i in used for i, m in enumerate(mask)]
+        if narrowed == list(mask):
+            continue
+        if in_kwargs:
+            node.kwargs = {**node.kwargs, "output_mask": narrowed}
+        else:
+            node.args = (*node.args[:pos], narrowed, *node.args[pos + 1 :])
+        changed = True
+    return changed
 
 
 class RoutedBackend:

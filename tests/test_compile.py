@@ -216,3 +216,21 @@ def test_compiled_conv_routed_backward_computes_what_the_eager_one_does(compile_
     compiled = gradroute.compile(unet, backend="aot_eager")
     routed_flops(tenc, compiled)
     assert routed_flops(tenc, compiled) == eager
+
+
+def test_compiled_module_as_a_checkpoint_segment_matches_eager() -> None:
+    # gradroute.checkpoint(compiled, h): the segment is recomputed once per routed backward, through the
+    # compiled forward, and each engine call through it runs its own backward variant
+    tenc, unet = _nets(torch.float64)
+    groups = _groups(tenc, unet)
+    expected = reference_grads(_forward(tenc, unet, torch.float64, False), groups)
+    unet.mid = gradroute.compile(unet.mid, backend="aot_eager")
+    unet.checkpointed = True
+    router = gradroute.Router(**groups)
+    for _ in range(2):
+        router.zero_grad()
+        router.backward(**_forward(tenc, unet, torch.float64, False)())
+        for p in groups["tenc"] + groups["unet"]:
+            torch.testing.assert_close(p.grad, expected[id(p)], rtol=1e-9, atol=1e-12)
+    st = gradroute.compile_stats(unet.mid)
+    assert st is not None and st.unaligned == 0 and () not in st.masks

@@ -234,3 +234,15 @@ def test_compiled_module_as_a_checkpoint_segment_matches_eager() -> None:
             torch.testing.assert_close(p.grad, expected[id(p)], rtol=1e-9, atol=1e-12)
     st = gradroute.compile_stats(unet.mid)
     assert st is not None and st.unaligned == 0 and () not in st.masks
+
+
+def test_plan_notes_say_which_compiled_regions_are_pruned() -> None:
+    tenc, unet = _nets(torch.float64)
+    router = gradroute.Router(**_groups(tenc, unet))
+    eager = router.plan(**_forward(tenc, unet, torch.float64, False)())
+    assert not any("compiled region" in n for n in eager.notes)
+    plain = router.plan(**_forward(torch.compile(tenc, backend="aot_eager"), unet, torch.float64, False)())
+    assert any("1 compiled region(s) not pruned" in n for n in plain.notes), plain.notes
+    routed = router.plan(**_forward(tenc, gradroute.compile(unet, backend="aot_eager"), torch.float64, False)())
+    assert any("1 compiled region(s) of gradroute.compile" in n for n in routed.notes), routed.notes
+    assert not any("not pruned" in n for n in routed.notes), routed.notes

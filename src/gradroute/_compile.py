@@ -301,7 +301,8 @@ class MaskedBackward:
                 warnings.warn(
                     f"gradroute.compile: a pruned backward failed to compile ({e}); running it whole", stacklevel=2
                 )
-                fn = self._get(self.computed, reenter=False)
+                fn = self.variants[keep] = self._get(self.computed, reenter=False)
+                return fn
         self.variants[keep] = fn
         self.stats.variants += 1
         self.stats.masks.append(keep)

@@ -2,18 +2,14 @@
 
 The models, data and losses are those of ``sd_masked_finetune.py``: ``loss_tenc = loss.mean()`` routed to the
 text encoder, ``loss_unet = (loss * mask).mean()`` to the UNet, from one forward of the *compiled* modules.
-The router needs nothing special: a compiled module's backward is one node of the autograd graph (an
-AOTAutograd ``CompiledFunctionBackward``), and the router plans its passes around such nodes like around any
-other. What changes is cost, not exactness: inside a compiled region nothing can be pruned, so a routed pass
-that crosses the compiled UNet runs the UNet's whole compiled backward (parameter gradients included) even
-when it only needs the gradient of the UNet's input. The plan printed below shows the passes.
-
-AOTAutograd may *donate* the activations it saves to a compiled backward that it expects to run once
-(``torch._functorch.config.donated_buffer``). It turns that off by itself when the first backward through a
-compiled region runs with ``retain_graph=True``, as a routed pass that a later pass depends on does; but if a
-plain backward ran first, the routed pass fails with "This backward function was compiled with non-empty
-donated buffers". The script runs with ``donated_buffer=False`` (compile and backward), which makes the order
-irrelevant at the cost of the memory donation would have reused.
+The models are compiled with ``gradroute.compile`` (``torch.compile`` with a backend whose compiled backwards are
+specialised per engine call): a compiled module's backward is one autograd node (an AOTAutograd
+``CompiledFunctionBackward``), and with plain ``torch.compile`` it computes every input gradient in every call,
+so the text encoder's routed pass through the compiled UNet would compute all of the UNet's weight gradients and
+drop them. With ``gradroute.compile`` each call runs a backward graph that computes only what the engine will use
+(``--compile torch`` shows the difference: exact too, slower). ``gradroute.compile``'s backwards also never take
+donated buffers, so no ``torch._functorch.config.donated_buffer`` setting is needed (plain ``torch.compile``:
+see examples/README.md).
 
 The script compiles both models and checks the routed gradients against an independent reference: a fresh
 forward per loss through the same compiled modules and ``torch.autograd.grad`` (``--grad-tol``, relative L2
@@ -31,6 +27,7 @@ Run::
 
     python examples/compile_router.py                        # a tiny model written to a temp dir
     python examples/compile_router.py --backend aot_eager
+    python examples/compile_router.py --compile torch         # plain torch.compile: exact, unpruned
     python examples/compile_router.py --model-dir /path/to/sd-snapshot --device cuda --batch-size 8
 """
 
@@ -73,7 +70,13 @@ def timed(fn: Callable[[], None], device: torch.device, repeat: int) -> float:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", type=Path, help="SD layout as in sd_masked_finetune.py (default: a tiny one)")
-    p.add_argument("--backend", default="inductor", help="torch.compile backend: inductor, aot_eager, ...")
+    p.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"), help="compiler backend")
+    p.add_argument(
+        "--compile",
+        choices=("gradroute", "torch"),
+        default="gradroute",
+        help="gradroute.compile (backwards specialised per routed pass) or plain torch.compile",
+    )
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -99,7 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_dir = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "model"
             sd.write_tiny_model(model_dir)
         try:
-            # see the module docstring: compiled backwards that a routed pass may run with retain_graph=True
+            if args.compile == "gradroute":
+                return run(args, model_dir)
+            # plain torch.compile: see examples/README.md for why (routed passes retain through compiled backwards)
             with torch._functorch.config.patch(donated_buffer=False):
                 return run(args, model_dir)
         except sd.UsageError as e:
@@ -135,10 +140,11 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
     }
     x = sd.draw_inputs(models, batch, gen, device, autocast)
 
+    compile_fn = gradroute.compile if args.compile == "gradroute" else torch.compile
     compiled = sd.Models(
         models.tokenizer,
-        torch.compile(models.tenc, backend=args.backend),
-        torch.compile(models.unet, backend=args.backend),
+        compile_fn(models.tenc, backend=args.backend),
+        compile_fn(models.unet, backend=args.backend),
         models.scheduler,
         models.vae,
     )
@@ -147,7 +153,10 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
 
     start = time.perf_counter()
     routed_step(router, compiled, x, autocast)  # compiles forward and backward
-    print(f"compiled with backend {args.backend!r} in {time.perf_counter() - start:.1f} s (first routed step)")
+    print(
+        f"{args.compile}.compile with backend {args.backend!r}: {time.perf_counter() - start:.1f} s "
+        "(first routed step, compiling included)"
+    )
     got = {
         name: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in module.parameters()]
         for name, module in (("tenc", models.tenc), ("unet", models.unet))
@@ -178,6 +187,13 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
         for name, m in (("eager", models), ("compiled", compiled)):
             seconds = timed(lambda m=m: (routed_step(router, m, x, autocast), router.zero_grad()), device, args.repeat)
             print(f"routed forward + backward, {name}: {seconds * 1e3:.1f} ms (median of {args.repeat})")
+    for name, m in (("tenc", compiled.tenc), ("unet", compiled.unet)):
+        st = gradroute.compile_stats(m)
+        if st is not None:
+            print(
+                f"{name}: {st.backwards} compiled backward(s), {st.variants} specialised variant(s) cached "
+                f"(compiling them took {st.seconds:.1f} s)"
+            )
     return 0 if ok else 1
 
 

@@ -21,7 +21,7 @@ DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").g
 
 #: python blocks executed, per file (in order, one namespace per file)
 BLOCKS_RUN = {
-    "README.md": 2,
+    "README.md": 3,
     "docs/checkpointing.md": 1,
     "docs/distributed.md": 0,
     "docs/integrations.md": 0,  # excerpts of scripts that tests/integration runs (and checks them against)
@@ -38,6 +38,7 @@ BLOCKS_NOT_RUN = {
 #: doctest examples (``>>>`` lines) executed per public name, its methods and, for a module, its functions
 DOCTEST_EXAMPLES = {
     "Call": 5,
+    "CompileStats": 6,
     "GraphFreedError": 5,
     "Plan": 5,
     "Group": 4,
@@ -46,6 +47,8 @@ DOCTEST_EXAMPLES = {
     "StepStats": 7,
     "checkpoint": 8,
     "checkpoint_modules": 5,
+    "compile": 7,
+    "compile_stats": 5,
     "cut_points": 6,
     "enable_checkpointing": 5,
     "schedules": 7,

@@ -6,6 +6,7 @@ autograd graph. See :class:`Router`.
 
 from . import schedules
 from ._checkpoint import checkpoint, checkpoint_modules, cut_points
+from ._compile import CompileStats, compile, compile_stats
 from ._execute import GraphFreedError
 from ._group import Group
 from ._hf import enable_checkpointing
@@ -16,6 +17,7 @@ from ._step import GroupStats, StepStats
 
 __all__ = [
     "Call",
+    "CompileStats",
     "GraphFreedError",
     "Group",
     "GroupStats",
@@ -25,6 +27,8 @@ __all__ = [
     "StepStats",
     "checkpoint",
     "checkpoint_modules",
+    "compile",
+    "compile_stats",
     "cut_points",
     "enable_checkpointing",
     "schedules",

@@ -11,6 +11,7 @@ import torch
 
 from . import _checkpoint
 from ._accelerate import adopt_prepared, check_backward, link_accelerator
+from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, live_params
 from ._execute import GraphFreedError, execute, freed_message
 from ._graph import saved_attrs
@@ -187,14 +188,17 @@ class Router:
             program, {n: g.params for n, g in self._groups.items() if n not in program.plan.reach}
         )
         nodes = program.graph.nodes
+        notes = list(plan.notes)
         torch_ckpt = sum(1 for i in program.planned.shared if _checkpoint.checkpoint_kind(nodes[i]) == "torch")
-        if not torch_ckpt:
-            return plan
-        note = (
-            f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call: torch "
-            "recomputes their segments once per call; gradroute.checkpoint recomputes each once per backward."
-        )
-        return dataclasses.replace(plan, notes=(*plan.notes, note))
+        if torch_ckpt:
+            notes.append(
+                f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call: torch "
+                "recomputes their segments once per call; gradroute.checkpoint recomputes each once per backward."
+            )
+        compiled = plan_note(nodes)
+        if compiled:
+            notes.append(compiled)
+        return dataclasses.replace(plan, notes=tuple(notes)) if len(notes) > len(plan.notes) else plan
 
     def step(self) -> StepStats:
         """Close a micro-batch; on every ``accumulate``-th call, step every group's optimizer and scheduler.

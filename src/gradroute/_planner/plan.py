@@ -101,8 +101,9 @@ class Plan:
             shape the cut cannot express; they are freed when the caller drops the losses).
         graph_nodes: autograd nodes below the losses.
         notes: remarks on how checkpointed segments are handled (shared chunk by chunk, recomputed once per
-            call, or recomputed per call by ``torch.utils.checkpoint``), one sentence each; ``str(plan)``
-            prints them last.
+            call, or recomputed per call by ``torch.utils.checkpoint``) and on compiled regions (whether their
+            backwards compute only what each call needs: ``gradroute.compile``), one sentence each;
+            ``str(plan)`` prints them last.
 
     Example:
         >>> import torch, gradroute

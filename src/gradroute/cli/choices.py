@@ -19,3 +19,6 @@ INEXACT = ("sum", "no_retain")
 
 #: ``--dtype`` values besides ``auto``
 DTYPES = ("fp32", "bf16", "fp16")
+
+#: ``gradroute bench --compile`` (the backends ``gradroute.compile`` accepts; kept here so ``--help`` needs no torch)
+COMPILE_BACKENDS = ("inductor", "aot_eager")

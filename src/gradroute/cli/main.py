@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from .choices import DTYPES, STRATEGIES, WORKLOADS
+from .choices import COMPILE_BACKENDS, DTYPES, STRATEGIES, WORKLOADS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -112,6 +112,12 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of time and memory bars")
     bench.add_argument(
         "--no-memory", action="store_true", help="skip the peak-memory measurement (on CPU: a process each)"
+    )
+    bench.add_argument(
+        "--compile",
+        choices=COMPILE_BACKENDS,
+        default=None,
+        help="also run every strategy through both networks compiled by gradroute.compile with this backend",
     )
     bench.add_argument("--_one", default=None, help=argparse.SUPPRESS)  # child process of a CPU run
 

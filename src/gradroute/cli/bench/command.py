@@ -16,6 +16,7 @@ import torch
 from ..choices import CKPT_STRATEGIES, DEFAULT_BATCH, STRATEGIES
 from ..common import has_matplotlib, resolve_device
 from ..progress import Progress
+from .compiled import CompiledRunner, measure_both
 from .measure import measure
 from .memory import child, cpu_peaks, cuda_peak
 from .plot import plot
@@ -56,13 +57,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"`--warmup` must be >= 0, got {args.warmup}")
     if args.plot and not has_matplotlib():
         raise ValueError("`--plot` needs matplotlib (pip install 'gradroute[demo]')")
-    r = Runner.from_args(args, dev)
+    r = (CompiledRunner if args.compile else Runner).from_args(args, dev)
     wl = r.wl
     groups = [wl.up_name, wl.down_name]
     n_batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH[wl.name]
-    total = len(strategies) * (1 + args.warmup + args.steps) + len(strategies)
+    total = len(strategies) * (1 + args.warmup + args.steps) * (2 if args.compile else 1) + len(strategies)
     progress = Progress(total, f"bench {wl.name}")
-    results = measure(r, strategies, steps=args.steps, warmup=args.warmup, progress=progress)
+    compiled = None
+    if isinstance(r, CompiledRunner):
+        results, compiled = measure_both(
+            r, args.compile, strategies, steps=args.steps, warmup=args.warmup, progress=progress
+        )
+    else:
+        results = measure(r, strategies, steps=args.steps, warmup=args.warmup, progress=progress)
     ok = [s for s in strategies if "error" not in results[s]]
     if args.no_memory:
         method = "not measured (--no-memory)"
@@ -89,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "memory": method,
         "groups": groups,
         "results": results,
+        "compile": compiled,
     }
     report["targets"] = targets(results)
     print(table(report))

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .compiled import cells, header, target
+
 
 def device_name(dev: torch.device) -> str:
     """The device, for the report: the GPU's name, or the CPU's cores and torch threads."""
@@ -35,6 +37,9 @@ def targets(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out["peak_vs_sum"] = {"ratio": ratio, "target": "<= 1.03", "met": ratio <= 1.03}
         if g.get("err") is not None:
             out["error"] = {"value": g["err"], "target": "<= 1e-5", "met": g["err"] <= 1e-5}
+        compiled = target(results)
+        if compiled is not None:
+            out["compiled_vs_eager"] = compiled
     return out
 
 
@@ -47,6 +52,7 @@ _TARGET_NAMES = {
     "speedup_vs_naive": "fastest of retain_twice, freeze, two_forward / gradroute time",
     "peak_vs_sum": "gradroute peak / sum peak",
     "error": "gradroute max rel. grad error",
+    "compiled_vs_eager": "(gradroute / sum) compiled over (gradroute / sum) eager",
 }
 
 
@@ -55,24 +61,27 @@ def table(report: dict[str, Any]) -> str:
     res = report["results"]
     up, down = report["groups"]
     floor = res.get("sum", {})
+    compiled = report.get("compile")
+    head, sep, what = header(compiled)
     lines = [
         f"workload {report['workload']}, device {report['device']}, torch {report['torch']}, "
         f"batch {report['batch']}, dtype {report['dtype']}, {report['steps']} timed steps after "
         f"{report['warmup']} warm-up, checkpointing {'on' if report['checkpointing'] else 'off'}",
+        *([what] if what else []),
         "",
-        f"| strategy | rel. grad error {up} / {down} | median ms | min ms | × sum | peak MiB | × sum peak |",
-        "|---|---|---|---|---|---|---|",
+        f"| strategy | rel. grad error {up} / {down} | median ms | min ms | × sum | peak MiB | × sum peak |{head}",
+        f"|---|---|---|---|---|---|---|{sep}",
     ]
     for s, v in res.items():
         if "error" in v:
-            lines.append(f"| {s} | crashes: {v['error'][:90]} | | | | | |")
+            lines.append(f"| {s} | crashes: {v['error'][:90]} | | | | | |{cells(v, floor, compiled)}")
             continue
         eg = v["err_groups"]
         ratio = v["ms"] / floor["ms"] if v.get("ms") and floor.get("ms") else None
         pratio = v["peak_mib"] / floor["peak_mib"] if v.get("peak_mib") is not None and floor.get("peak_mib") else None
         lines.append(
             f"| {s} | {eg[up]:.1e} / {eg[down]:.1e} | {_fmt(v['ms'], '.1f')} | {_fmt(v['ms_min'], '.1f')} | "
-            f"{_fmt(ratio, '.2f')} | {_fmt(v['peak_mib'], '.1f')} | {_fmt(pratio, '.3f')} |"
+            f"{_fmt(ratio, '.2f')} | {_fmt(v['peak_mib'], '.1f')} | {_fmt(pratio, '.3f')} |" + cells(v, floor, compiled)
         )
     t = report.get("targets") or {}
     if t:

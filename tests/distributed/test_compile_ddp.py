@@ -1,0 +1,39 @@
+"""DDP with ``gradroute.compile``d networks: 2 gloo processes against the single-process full-batch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradroute
+from tests.distributed._worker import assert_grads, batch, launch, losses, nets, reference
+from tests.distributed.test_ddp import Chain
+
+pytestmark = pytest.mark.distributed
+
+
+def _compiled(rank: int, world: int) -> None:
+    # one DDP per network around the compiled UNet, and one DDP around both (the UNet compiled inside)
+    for layout in ("per_network", "one_ddp"):
+        torch._dynamo.reset()
+        tenc, unet = nets()
+        compiled = gradroute.compile(unet, backend="aot_eager")
+        if layout == "per_network":
+            d_tenc, d_unet = DDP(tenc), DDP(compiled)
+            forward = lambda x, d_tenc=d_tenc, d_unet=d_unet: d_unet(d_tenc(x))  # noqa: E731
+        else:
+            forward = DDP(Chain(tenc, compiled))
+        router = gradroute.Router(tenc=tenc, unet=unet)
+        for step in range(2):
+            router.zero_grad()
+            router.backward(losses(forward, *batch(step, world, rank)))
+            assert_grads({"tenc": tenc, "unet": unet}, reference(step, world), rtol=1e-10, atol=1e-12)
+        st = gradroute.compile_stats(compiled)
+        assert st is not None and st.backwards == 1 and st.variants == 2, (layout, st)  # pruned: 2 masks, no full
+        assert st.unaligned == 0 and () not in st.masks, (layout, st)
+    torch._dynamo.reset()
+
+
+def test_ddp_with_compiled_unet_matches_full_batch_reference() -> None:
+    launch(_compiled, timeout=300.0)

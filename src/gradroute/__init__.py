@@ -5,6 +5,7 @@ autograd graph. See :class:`Router`.
 """
 
 from . import schedules
+from ._autotune import Autotune
 from ._checkpoint import checkpoint, checkpoint_modules, cut_points
 from ._execute import GraphFreedError
 from ._group import Group
@@ -15,6 +16,7 @@ from ._router import Router
 from ._step import GroupStats, StepStats
 
 __all__ = [
+    "Autotune",
     "Call",
     "GraphFreedError",
     "Group",

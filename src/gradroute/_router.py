@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from collections.abc import Iterable, Mapping, Sequence
@@ -11,6 +12,7 @@ import torch
 
 from . import _checkpoint
 from ._accelerate import adopt_prepared, check_backward, link_accelerator
+from ._autotune import Autotune, Tuner
 from ._distributed import live_params
 from ._execute import GraphFreedError, execute, freed_message
 from ._graph import saved_attrs
@@ -53,6 +55,10 @@ class Router:
             its ``scaler``), groups may hold its prepared optimizers and schedulers, and :meth:`step` steps
             when ``accelerator.sync_gradients`` is True. ``scaler`` and ``accumulate`` then come from it.
             See docs/integrations.md.
+        autotune: measure the candidate plans of each new graph on its first routed backwards and keep the
+            fastest within a memory tolerance (:class:`gradroute.Autotune`; ``True``: its defaults). Only graphs
+            with ``gradroute.checkpoint`` segments that several engine calls enter have more than one
+            candidate; :meth:`plan` says what was chosen. ``False``: always ``plan_options``.
         **named_groups: groups by keyword.
 
     Example:
@@ -76,6 +82,7 @@ class Router:
         allow_unreached: bool | Iterable[str] = False,
         plan_options: PlanOptions | None = None,
         accelerator: Any = None,
+        autotune: bool | Autotune = True,
         **named_groups: GroupLike,
     ) -> None:
         specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
@@ -105,7 +112,15 @@ class Router:
         elif not isinstance(plan_options, PlanOptions):
             raise TypeError(f"`plan_options` must be a gradroute.PlanOptions, got {type(plan_options).__name__}")
         self._options = plan_options
-        self._cache = PlanCache()
+        if isinstance(autotune, bool):
+            settings = Autotune() if autotune else None
+        elif isinstance(autotune, Autotune):
+            settings = autotune
+        else:
+            raise TypeError(f"`autotune` must be a bool or a gradroute.Autotune, got {type(autotune).__name__}")
+        self._tuner = None if settings is None else Tuner(settings, _CHECKPOINTS)
+        # room for every candidate's program of two call shapes
+        self._cache = PlanCache(size=8 if settings is None else 16)
         from ._step import Stepper
 
         self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
@@ -120,6 +135,16 @@ class Router:
     def plan_options(self) -> PlanOptions:
         """The planner's settings this router was built with."""
         return self._options
+
+    @property
+    def autotune(self) -> Autotune | None:
+        """The measured choice's settings, or None when it is off."""
+        return None if self._tuner is None else self._tuner.settings
+
+    @property
+    def autotuning(self) -> bool:
+        """Whether the plans of some graph seen are still being measured (the next backward may be a trial)."""
+        return self._tuner is not None and self._tuner.measuring
 
     @property
     def groups(self) -> Mapping[str, Group]:
@@ -151,7 +176,8 @@ class Router:
         routes = self._routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(routes)
         program = self._program(routes, merge_shared=True)
-        execute(program, accumulate=True, remake_min_bytes=self._options.remake_min_bytes)
+        with self._trial():
+            execute(program, accumulate=True, remake_min_bytes=program.options.remake_min_bytes)
         del program
         self._stepper.after_backward(routes)
 
@@ -166,7 +192,8 @@ class Router:
         """
         routes = self._routes(losses, named_losses, "grads")
         program = self._program(routes, merge_shared=False)
-        collected = execute(program, accumulate=False, remake_min_bytes=self._options.remake_min_bytes)
+        with self._trial():
+            collected = execute(program, accumulate=False, remake_min_bytes=program.options.remake_min_bytes)
         del program
         return {r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)}
 
@@ -174,9 +201,14 @@ class Router:
         """What :meth:`backward` would do with these losses; nothing is run. ``print(plan)`` shows a table."""
         routes = self._routes(losses, named_losses, "plan")
         program = self._program(routes, merge_shared=True)
+        self._trial()  # nothing runs: no measurement
         plan = _with_other_groups(
             program, {n: g.params for n, g in self._groups.items() if n not in program.plan.reach}
         )
+        if self._tuner is not None:
+            tuned = self._tuner.describe()
+            if tuned:
+                plan = dataclasses.replace(plan, notes=(*plan.notes, tuned))
         nodes = program.graph.nodes
         torch_ckpt = sum(1 for i in program.planned.shared if _checkpoint.checkpoint_kind(nodes[i]) == "torch")
         if not torch_ckpt:
@@ -303,9 +335,17 @@ class Router:
             # end of the first engine call that computes any of them: keep each pass through it in one call
             fsdp2 = any(r.params is not self._groups[r.name].params for r in routes)
             options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
-            program = build(
-                routes, merge_shared=merge_shared, options=options, cache=self._cache, checkpoints=_CHECKPOINTS
-            )
+
+            def make(options: PlanOptions) -> Program:
+                return build(
+                    routes, merge_shared=merge_shared, options=options, cache=self._cache, checkpoints=_CHECKPOINTS
+                )
+
+            if self._tuner is None:
+                program = make(options)
+            else:
+                shape = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
+                program = self._tuner.program(shape, options, routes, make)
         finally:
             if enabled:
                 gc.enable()
@@ -317,6 +357,13 @@ class Router:
                 f"Router(..., allow_unreached=[{bad[0]!r}]) if that is intended"
             )
         return program
+
+    def _trial(self) -> Any:
+        """The context to run the program just built in: measures it while the tuner is measuring."""
+        return _NOTHING if self._tuner is None else self._tuner.trial()
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 def _merge_named(mapping: Any, named: Mapping[str, Any], arg: str, item: str, shape: str, call: str) -> dict[str, Any]:

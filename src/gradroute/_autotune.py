@@ -11,20 +11,20 @@ larger chunks (fewer engine calls, more held), one shared recomputation kept thr
 is measured.
 
 For a graph signature not seen before (per call shape: group names, loss counts, ``backward``/``grads``), each
-candidate's program is built once (then cached); candidates that make the same program are merged, and those
-whose estimated peak exceeds the lowest estimate by more than ``memory_tolerance`` are not tried (no
-out-of-memory while tuning). The estimate: the routed parameters and a gradient each, the graph's saved
-tensors, and the larger of the largest shared segment's recomputation and the plan's shared recomputations
-held between calls (``Planned.held``; remade tensors not counted). Then each routed backward runs the next
-candidate, round-robin: a real, exact backward, so nothing is wasted but time. It is timed (CUDA devices
-synchronised before and after) and on CUDA its peak is measured (``max_memory_allocated`` after
-``reset_peak_memory_stats``; the estimate elsewhere). After two rounds, candidates slower than 1.25x the
-fastest are not run again; after ``trials`` rounds the router keeps, for good, the fastest candidate (median
-time) whose peak is within ``memory_tolerance`` of the lowest. A signature seen again (the last
+candidate's program is built once (then cached); candidates that make the same program are merged, and those whose
+estimated peak exceeds the lowest estimate by more than ``memory_tolerance`` are not tried (no out-of-memory while
+tuning), except the first: the router's own options, what it runs without tuning. The estimate: the routed
+parameters and a gradient each, the graph's saved tensors, and the larger of the largest shared segment's
+recomputation and the plan's shared recomputations held between calls (``Planned.held``; remade tensors not
+counted). Then each routed backward runs the next candidate, round-robin: a real, exact backward, so nothing is
+wasted but time. It is timed (CUDA devices synchronised before and after) and on CUDA its peak is measured
+(``max_memory_allocated`` after ``reset_peak_memory_stats``; the estimate elsewhere). After two rounds, candidates
+slower than 1.25x the fastest are not run again; after ``trials`` rounds the router keeps, for good, the fastest
+candidate (median time) whose peak is within ``memory_tolerance`` of the lowest. A signature seen again (the last
 :data:`_SIGNATURES` per call shape) reuses its choice.
 
 Under ``torch.distributed`` with several ranks, the ranks would time differently and could choose different
-plans: the router keeps its own options there, and the plan says so.
+plans: the router keeps its own options there.
 """
 
 from __future__ import annotations
@@ -186,14 +186,14 @@ class _State:
             self.queue = live
 
     def describe(self) -> str | None:
-        if self.why_not:  # nothing to choose: a note only where there would have been
-            return f"autotune: {self.why_not}" if self.why_not.startswith("off") else None
+        if self.why_not:  # nothing measured: the plan is the router's own, nothing to say
+            return None
         rows = []
         for k, c in enumerate(self.cands):
             ms = f"{statistics.median(c.times) * 1e3:.2f} ms" if c.times else "not run yet"
             what = "measured" if c.measured else "estimated"
             mark = " <- chosen" if k == self.chosen else (" (dropped: slow)" if c.dropped else "")
-            rows.append(f"  #{k} {_short(c.options)}: {ms}, peak {c.peak / 2**20:.1f} MiB ({what}){mark}")
+            rows.append(f"  #{k} {_short(c.options)}: {ms}, peak {_size(c.peak)} ({what}){mark}")
         if self.chosen is None:
             done = sum(len(c.times) for c in self.cands)
             head = f"autotune: measuring {len(self.cands)} candidate plans ({done} routed backwards so far)"
@@ -203,6 +203,10 @@ class _State:
                 f"{self.trials}) whose peak is within {self.tolerance:.0%} of the lowest"
             )
         return "\n".join([head, *rows])
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def _short(o: PlanOptions) -> str:
@@ -315,11 +319,16 @@ class Tuner:
         else:
             resident = _resident(first, routes)
             largest = max(_shared_segments(first, self.checkpoints).values(), default=0)
-            # estimated peaks first: a candidate that would hold too much is not even tried (no OOM while tuning)
+            # estimated peaks first: a candidate that would hold too much is not even tried (no OOM while tuning),
+            # except the first, which is what the router runs without tuning
             held = _distinct(options, make, self.checkpoints)
             peaks = {o: resident + max(h, largest) for o, h in held.items()}
             lowest = min(peaks.values())
-            cands = [_Candidate(o, peak=p) for o, p in peaks.items() if p <= lowest * (1 + st.memory_tolerance)]
+            cands = [
+                _Candidate(o, peak=p)
+                for k, (o, p) in enumerate(peaks.items())
+                if k == 0 or p <= lowest * (1 + st.memory_tolerance)
+            ]
             if len(cands) == 1:
                 why_not = "one candidate plan fits for this graph: nothing to measure"
         state = _State(sig, cands, resident, largest, st.trials, st.memory_tolerance, why_not=why_not)

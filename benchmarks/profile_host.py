@@ -59,8 +59,8 @@ def _clock() -> float:
 
 
 def _workload(args: argparse.Namespace) -> Any:
-    from gradroute._bench import Runner
-    from gradroute._workloads import build
+    from gradroute.cli.bench.runner import Runner
+    from gradroute.cli.workloads import build
 
     torch.set_num_threads(1)
     wl = build("sd-tiny", batch_size=1, device=torch.device("cpu"), checkpointing=args.checkpointing, width=8)

@@ -21,7 +21,7 @@ DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").g
 
 #: python blocks executed, per file (in order, one namespace per file)
 BLOCKS_RUN = {
-    "README.md": 2,
+    "README.md": 3,
     "docs/checkpointing.md": 1,
     "docs/distributed.md": 0,
     "docs/integrations.md": 0,  # excerpts of scripts that tests/integration runs (and checks them against)
@@ -37,6 +37,7 @@ BLOCKS_NOT_RUN = {
 }
 #: doctest examples (``>>>`` lines) executed per public name, its methods and, for a module, its functions
 DOCTEST_EXAMPLES = {
+    "Autotune": 7,
     "Call": 5,
     "GraphFreedError": 5,
     "Plan": 5,

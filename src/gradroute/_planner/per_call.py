@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._graph import Graph
@@ -33,7 +33,7 @@ class PerCall:
 
     nodes: tuple[int, ...] = ()
     segments: int = 0
-    held: int = 0
+    held: int = field(default=0, compare=False)
 
 
 def recompute_per_call(

@@ -69,10 +69,10 @@ class Autotune:
 
     Example:
         >>> import torch, gradroute
-        >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-        >>> router = gradroute.Router(a=a, b=b, autotune=gradroute.Autotune(trials=2))
-        >>> router.autotune.trials
-        2
+        >>> settings = gradroute.Autotune(trials=2, memory_tolerance=0.05)
+        >>> router = gradroute.Router(net=torch.nn.Linear(2, 2), autotune=settings)
+        >>> router.autotune.memory_tolerance, gradroute.Router(net=torch.nn.Linear(2, 2), autotune=False).autotune
+        (0.05, None)
     """
 
     trials: int = 3

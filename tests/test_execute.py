@@ -183,3 +183,31 @@ def test_cut_gradient_held_for_a_later_call_does_not_keep_a_larger_buffer(
     torch.testing.assert_close(got, g, rtol=0, atol=0)
     assert (got.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()) == copied
     assert _compact(None) is None
+
+
+@pytest.mark.parametrize("method", ["backward", "grads"])
+@pytest.mark.parametrize("entry", ["engine entry", "public functions"])
+def test_exact_through_the_engine_entry_and_through_the_public_functions(
+    entry: str, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the executor calls the engine's entry directly; a torch without it gets torch.autograd.backward/grad
+    from gradroute import _execute
+
+    if entry == "public functions":
+        monkeypatch.setattr(_execute, "_ENGINE_RUN_BACKWARD", None)
+    tenc, unet, x, target, mask = make()
+
+    def forward() -> dict[str, torch.Tensor]:
+        return masked_losses(unet, tenc(x, CKS["gradroute"]), target, mask, CKS["gradroute"])
+
+    expected = reference_grads(forward, groups(tenc, unet))
+    router = gradroute.Router(tenc=tenc, unet=unet, autotune=False)  # the default plan: calls cut and accumulate
+    assert calls_that_cut_and_accumulate(router, forward()) > 0
+    params = [*tenc.parameters(), *unet.parameters()]
+    if method == "backward":
+        router.backward(**forward())
+    else:
+        got = router.grads(**forward())
+        for p, g in zip(params, [*got["tenc"], *got["unet"]], strict=True):
+            p.grad = g
+    assert_grads_match(params, expected)

@@ -13,7 +13,7 @@ from ._planner import Program
 from ._session import routed_backward
 
 # torch.autograd.backward's and torch.autograd.grad's own entry into the engine (private; see run_engine)
-_ENGINE_RUN_BACKWARD = torch.autograd.graph._engine_run_backward
+_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 _FREED = "backward through the graph a second time"
 
@@ -180,11 +180,16 @@ def run_engine(
 
     Straight into the engine: the seeds are made here with the right shapes and dtypes, so the public
     functions' argument checks (about 45 us of Python per call, most of a host-bound call's own cost) are
-    skipped.
+    skipped. A torch without that entry gets the public functions.
     """
-    return _ENGINE_RUN_BACKWARD(
-        tuple(outputs), tuple(seeds), retain, False, tuple(inputs), True, accumulate_grad=accumulate
-    )
+    if _ENGINE_RUN_BACKWARD is not None:
+        return _ENGINE_RUN_BACKWARD(
+            tuple(outputs), tuple(seeds), retain, False, tuple(inputs), True, accumulate_grad=accumulate
+        )
+    if accumulate:
+        torch.autograd.backward(outputs, seeds, retain_graph=retain, inputs=inputs or None)  # type: ignore[arg-type]
+        return ()
+    return torch.autograd.grad(outputs, inputs, seeds, retain_graph=retain, allow_unused=True)  # type: ignore[arg-type]
 
 
 def _add(into: dict[Any, torch.Tensor], key: Any, g: torch.Tensor | None) -> None:

@@ -183,6 +183,27 @@ def test_choice_is_the_fastest_within_the_memory_tolerance(times: list[float], p
     assert state.chosen == chosen
 
 
+def test_measured_peaks_replace_the_estimates() -> None:
+    # candidates start with estimated peaks (the lowest: #1); on CUDA the measured ones decide (#0 within 10%)
+    cands = [_Candidate(gradroute.PlanOptions(chunk=k + 1), peak=p) for k, p in enumerate([900, 100, 900])]
+    state = _State([], cands, resident=0, largest=0, trials=1, tolerance=0.1)
+    for k, (t, p) in enumerate([(1.0, 105), (2.0, 100), (0.5, 200)]):
+        state.record(k, t, p, held=0)
+    assert state.chosen == 0 and [c.peak for c in cands] == [105, 100, 200]
+
+
+def test_a_candidate_that_fails_is_not_run_again_nor_chosen() -> None:
+    cands = [_Candidate(gradroute.PlanOptions(chunk=k + 1)) for k in range(3)]
+    state = _State([], cands, resident=0, largest=0, trials=2, tolerance=0.1)
+    state.record(0, 2.0, 100, held=0)
+    state.fail(1)  # e.g. out of memory: the router's next backward runs the next candidate
+    state.record(2, 1.0, 100, held=0)
+    assert state.queue == [0, 2]
+    state.record(0, 2.0, 100, held=0)
+    state.record(2, 1.0, 100, held=0)
+    assert state.chosen == 2 and cands[1].failed
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

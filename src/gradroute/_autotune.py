@@ -131,6 +131,7 @@ class _Candidate:
     peak: int = 0  # the most seen (CUDA) or the estimate
     measured: bool = False
     dropped: bool = False
+    failed: bool = False  # its routed backward raised (out of memory, say): never run again nor chosen
 
 
 @dataclass(eq=False)
@@ -162,26 +163,37 @@ class _State:
         c.times.append(seconds)
         if peak is None:
             c.peak = self.resident + max(held, self.largest)
-        else:
-            c.peak, c.measured = max(c.peak, peak), True
+        else:  # measured: replaces the estimate it started with
+            c.peak, c.measured = (max(c.peak, peak) if c.measured else peak), True
+        self._next()
+
+    def fail(self, k: int) -> None:
+        """Candidate ``k``'s routed backward raised: it is not run again (the router's own options, ``k`` 0, are
+        what it runs without tuning: a failure there is the caller's)."""
+        if k:
+            self.cands[k].failed = self.cands[k].dropped = True
+        self._next()
+
+    def _next(self) -> None:
         self.queue.pop(0)
         if not self.queue:
             self._round_done()
 
     def _round_done(self) -> None:
         self.rounds += 1
-        live = [k for k, c in enumerate(self.cands) if not c.dropped]
-        if self.rounds == 2:
+        live = [k for k, c in enumerate(self.cands) if not c.dropped and c.times]
+        if self.rounds == 2 and live:
             fastest = min(statistics.median(self.cands[k].times) for k in live)
             for k in live:
                 if statistics.median(self.cands[k].times) > _DROP * fastest:
                     self.cands[k].dropped = True
             live = [k for k in live if not self.cands[k].dropped]
-        if self.rounds >= self.trials or len(live) == 1:
+        if self.rounds >= self.trials or len(live) <= 1:
             # a dropped candidate is slow, not unfit: its peak is the floor if lowest, and it may still be chosen
-            lowest = min(c.peak for c in self.cands)
-            fits = [k for k, c in enumerate(self.cands) if c.peak <= lowest * (1 + self.tolerance)]
-            self.chosen = min(fits, key=lambda k: (statistics.median(self.cands[k].times), k))
+            ran = [k for k, c in enumerate(self.cands) if c.times and not c.failed] or [0]
+            lowest = min(self.cands[k].peak for k in ran)
+            fits = [k for k in ran if self.cands[k].peak <= lowest * (1 + self.tolerance)]
+            self.chosen = min(fits, key=lambda k: (statistics.median(self.cands[k].times or [0.0]), k))
         else:
             self.queue = live
 
@@ -192,7 +204,8 @@ class _State:
         for k, c in enumerate(self.cands):
             ms = f"{statistics.median(c.times) * 1e3:.2f} ms" if c.times else "not run yet"
             what = "measured" if c.measured else "estimated"
-            mark = " <- chosen" if k == self.chosen else (" (dropped: slow)" if c.dropped else "")
+            mark = " (failed)" if c.failed else " (dropped: slow)" if c.dropped else ""
+            mark = " <- chosen" if k == self.chosen else mark
             rows.append(f"  #{k} {_short(c.options)}: {ms}, peak {_size(c.peak)} ({what}){mark}")
         if self.chosen is None:
             done = sum(len(c.times) for c in self.cands)
@@ -248,6 +261,7 @@ class _Trial:
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if exc_type is not None:
+            self.state.fail(self.k)
             return
         for d in self.devices:
             torch.cuda.synchronize(d)
@@ -315,7 +329,7 @@ class Tuner:
         why_not = _why_not(first, self.checkpoints)
         resident = largest = 0
         if why_not:
-            cands = [_Candidate(base)]
+            cands = [_Candidate(options[0])]
         else:
             resident = _resident(first, routes)
             largest = max(_shared_segments(first, self.checkpoints).values(), default=0)

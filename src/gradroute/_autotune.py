@@ -17,7 +17,8 @@ tuning), except the first: the router's own options, what it runs without tuning
 parameters and a gradient each, the graph's saved tensors, and the larger of the largest shared segment's
 recomputation and the plan's shared recomputations held between calls (``Planned.held``; remade tensors not
 counted). Then each routed backward runs the next candidate, round-robin: a real, exact backward, so nothing is
-wasted but time. It is timed (CUDA devices synchronised before and after) and on CUDA its peak is measured
+wasted but time. It is timed (CUDA: wall clock, the devices synchronised before and after; elsewhere the
+process's CPU time, which other processes' load does not inflate) and on CUDA its peak is measured
 (``max_memory_allocated`` after ``reset_peak_memory_stats``; the estimate elsewhere). After two rounds, candidates
 slower than 1.25x the fastest are not run again; after ``trials`` rounds the router keeps, for good, the fastest
 candidate (median time) whose peak is within ``memory_tolerance`` of the lowest. A signature seen again (the last
@@ -246,18 +247,23 @@ _NO_TRIAL = _NoTrial()
 
 
 class _Trial:
-    """Times one routed backward of a candidate (synchronising CUDA devices) and records it if it succeeds."""
+    """Times one routed backward of a candidate and records it (or that it raised).
+
+    With losses on CUDA devices: wall-clock time, the devices synchronised before and after. Otherwise the
+    process's CPU time: what the backward costs, all threads, whatever else the machine runs meanwhile.
+    """
 
     def __init__(self, state: _State, k: int, program: Program) -> None:
         self.state, self.k, self.held = state, k, program.planned.held
         self.devices = sorted({t.device for r in program.routes for t in r.losses if t.is_cuda}, key=str)
+        self.clock = time.perf_counter if self.devices else time.process_time
         self.start = 0.0
 
     def __enter__(self) -> None:
         for d in self.devices:
             torch.cuda.synchronize(d)
             torch.cuda.reset_peak_memory_stats(d)
-        self.start = time.perf_counter()
+        self.start = self.clock()
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if exc_type is not None:
@@ -265,7 +271,7 @@ class _Trial:
             return
         for d in self.devices:
             torch.cuda.synchronize(d)
-        seconds = time.perf_counter() - self.start
+        seconds = self.clock() - self.start
         peak = sum(torch.cuda.max_memory_allocated(d) for d in self.devices) if self.devices else None
         self.state.record(self.k, seconds, peak, self.held)
 

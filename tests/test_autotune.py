@@ -13,7 +13,7 @@ from torch import nn
 import gradroute
 from gradroute._autotune import _Candidate, _State
 
-from ._reference import assert_grads_match, reference_grads
+from ._reference import assert_grads_match, reference_grads, route_into_grad
 
 D = 4
 CANDIDATES = gradroute.Autotune.default_candidates(gradroute.PlanOptions())
@@ -88,12 +88,7 @@ def test_every_candidate_exact(k: int, blocks: int, per_segment: int, method: st
     expected = reference_grads(forward, groups)
     router = gradroute.Router(tenc=tenc, unet=unet, plan_options=CANDIDATES[k], autotune=False)
     params = groups["tenc"] + groups["unet"]
-    if method == "backward":
-        router.backward(**forward())
-    else:
-        got = router.grads(**forward())
-        for p, g in zip(params, [*got["tenc"], *got["unet"]], strict=True):
-            p.grad = g
+    route_into_grad(router, method, forward(), params)
     assert_grads_match(params, expected, rtol=1e-9, atol=1e-12)
 
 

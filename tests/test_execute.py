@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradroute
 
-from ._reference import assert_grads_match, reference_grads
+from ._reference import assert_grads_match, reference_grads, route_into_grad
 
 D = torch.float64
 CK = Callable[..., Any] | None
@@ -204,10 +204,5 @@ def test_exact_through_the_engine_entry_and_through_the_public_functions(
     router = gradroute.Router(tenc=tenc, unet=unet, autotune=False)  # the default plan: calls cut and accumulate
     assert calls_that_cut_and_accumulate(router, forward()) > 0
     params = [*tenc.parameters(), *unet.parameters()]
-    if method == "backward":
-        router.backward(**forward())
-    else:
-        got = router.grads(**forward())
-        for p, g in zip(params, [*got["tenc"], *got["unet"]], strict=True):
-            p.grad = g
+    route_into_grad(router, method, forward(), params)
     assert_grads_match(params, expected)

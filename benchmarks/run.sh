@@ -11,6 +11,13 @@ bench() { name=$1; shift; "$PY" -m gradroute bench "$@" --json "$out/$name.json"
 
 bench sd-tiny          --workload sd-tiny --steps 20 --warmup 3
 bench sd-tiny-ckpt     --workload sd-tiny --checkpointing --steps 20 --warmup 3
+# host-bound: tiny tensors, per-op and per-engine-call host work dominates (a GPU at a fine-tuning batch is too)
+bench sd-tiny-host      --workload sd-tiny --width 8 --batch-size 1 --threads 1 --steps 30 --warmup 3
+bench sd-tiny-host-ckpt --workload sd-tiny --width 8 --batch-size 1 --threads 1 --steps 30 --warmup 3 --checkpointing
+# where the host time of a routed backward goes there (CPU time per part, cProfile, counts)
+for a in "" "--checkpointing" "--checkpointing --no-autotune" "--checkpointing --kind torch"; do
+  PYTHONPATH=src "$PY" benchmarks/profile_host.py $a --steps 30
+done > "$out/profile-host.txt"
 bench gan              --workload gan --threads 1 --steps 20 --warmup 3
 bench actor-critic     --workload actor-critic --steps 50 --warmup 3
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -74,3 +75,14 @@ def assert_routed_exact(
     gradroute.Router(groups).backward(**forward())
     params = list(dict.fromkeys(p for ps in groups.values() for p in ps))
     assert_grads_match(params, expected, rtol=rtol, atol=atol)
+
+
+def route_into_grad(router: Any, method: str, losses: Losses, params: Sequence[torch.Tensor]) -> None:
+    """``router.backward(**losses)``, or with ``method="grads"`` ``router.grads(**losses)`` written into ``.grad``
+    of ``params`` (the router's parameters of every group, in group order), so both compare the same way."""
+    if method == "backward":
+        router.backward(**losses)
+        return
+    got = router.grads(**losses)
+    for p, g in zip(params, [g for grads in got.values() for g in grads], strict=True):
+        p.grad = g

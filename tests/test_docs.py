@@ -37,6 +37,7 @@ BLOCKS_NOT_RUN = {
 }
 #: doctest examples (``>>>`` lines) executed per public name, its methods and, for a module, its functions
 DOCTEST_EXAMPLES = {
+    "Autotune": 7,
     "Call": 5,
     "CompileStats": 6,
     "GraphFreedError": 5,

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradroute
 
-from ._reference import assert_grads_match, reference_grads
+from ._reference import assert_grads_match, reference_grads, route_into_grad
 
 D = torch.float64
 CK = Callable[..., Any] | None
@@ -82,7 +82,7 @@ def test_parameter_hooks_run_once_and_their_result_is_kept(ck: str) -> None:
 
     expected = reference_grads(forward, groups(tenc, unet))  # the hooks run (once per parameter) here too
     seen.clear()
-    router = gradroute.Router(tenc=tenc, unet=unet)
+    router = gradroute.Router(tenc=tenc, unet=unet, autotune=False)  # the default plan, which cuts
     if ck == "gradroute":  # the case that made hooks run twice: calls capture, then accumulate
         assert calls_that_cut_and_accumulate(router, forward()) > 0
     router.backward(**forward())
@@ -183,3 +183,26 @@ def test_cut_gradient_held_for_a_later_call_does_not_keep_a_larger_buffer(
     torch.testing.assert_close(got, g, rtol=0, atol=0)
     assert (got.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()) == copied
     assert _compact(None) is None
+
+
+@pytest.mark.parametrize("method", ["backward", "grads"])
+@pytest.mark.parametrize("entry", ["engine entry", "public functions"])
+def test_exact_through_the_engine_entry_and_through_the_public_functions(
+    entry: str, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the executor calls the engine's entry directly; a torch without it gets torch.autograd.backward/grad
+    from gradroute import _execute
+
+    if entry == "public functions":
+        monkeypatch.setattr(_execute, "_ENGINE_RUN_BACKWARD", None)
+    tenc, unet, x, target, mask = make()
+
+    def forward() -> dict[str, torch.Tensor]:
+        return masked_losses(unet, tenc(x, CKS["gradroute"]), target, mask, CKS["gradroute"])
+
+    expected = reference_grads(forward, groups(tenc, unet))
+    router = gradroute.Router(tenc=tenc, unet=unet, autotune=False)  # the default plan: calls cut and accumulate
+    assert calls_that_cut_and_accumulate(router, forward()) > 0
+    params = [*tenc.parameters(), *unet.parameters()]
+    route_into_grad(router, method, forward(), params)
+    assert_grads_match(params, expected)

@@ -5,6 +5,7 @@ autograd graph. See :class:`Router`.
 """
 
 from . import schedules
+from ._autotune import Autotune
 from ._checkpoint import checkpoint, checkpoint_modules, cut_points
 from ._compile import CompileStats, compile, compile_stats
 from ._execute import GraphFreedError
@@ -16,6 +17,7 @@ from ._router import Router
 from ._step import GroupStats, StepStats
 
 __all__ = [
+    "Autotune",
     "Call",
     "CompileStats",
     "GraphFreedError",

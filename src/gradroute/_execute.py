@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -10,6 +11,9 @@ from torch.autograd.graph import GradientEdge, Node
 from ._options import PlanOptions
 from ._planner import Program
 from ._session import routed_backward
+
+# torch.autograd.backward's and torch.autograd.grad's own entry into the engine (private; see run_engine)
+_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 _FREED = "backward through the graph a second time"
 
@@ -144,16 +148,10 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
             edges_out: list[torch.Tensor | GradientEdge] = [GradientEdge(nodes[j], nr) for j, nr in w.edges_out]
             try:
                 if accumulate and not edges_out:
-                    torch.autograd.backward(outputs, grad_outputs, retain_graph=call.retain, inputs=targets)  # type: ignore[arg-type]
+                    run_engine(outputs, grad_outputs, call.retain, targets, accumulate=True)
                     continue
                 res: list[torch.Tensor | None] = list(
-                    torch.autograd.grad(
-                        outputs,  # type: ignore[arg-type]
-                        edges_out + targets,  # type: ignore[arg-type]
-                        grad_outputs=grad_outputs,
-                        retain_graph=call.retain,
-                        allow_unused=True,
-                    )
+                    run_engine(outputs, grad_outputs, call.retain, [*edges_out, *targets], accumulate=False)
                 )
             except RuntimeError as e:
                 if _FREED in str(e):
@@ -172,6 +170,31 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
             for i, r in enumerate(w.target_routes):
                 _add(collected[r], id(targets[i]), grads[i])
     return collected
+
+
+def run_engine(
+    outputs: Sequence[torch.Tensor | GradientEdge],
+    seeds: Sequence[torch.Tensor],
+    retain: bool,
+    inputs: Sequence[torch.Tensor | GradientEdge],
+    *,
+    accumulate: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """One engine call: ``torch.autograd.backward(outputs, seeds, retain_graph=retain, inputs=inputs)`` with
+    ``accumulate``, else ``torch.autograd.grad(outputs, inputs, seeds, retain_graph=retain, allow_unused=True)``.
+
+    Straight into the engine: the seeds are made here with the right shapes and dtypes, so the public
+    functions' argument checks (about 45 us of Python per call, most of a host-bound call's own cost) are
+    skipped. A torch without that entry gets the public functions.
+    """
+    if _ENGINE_RUN_BACKWARD is not None:
+        return _ENGINE_RUN_BACKWARD(
+            tuple(outputs), tuple(seeds), retain, False, tuple(inputs), True, accumulate_grad=accumulate
+        )
+    if accumulate:
+        torch.autograd.backward(outputs, seeds, retain_graph=retain, inputs=inputs or None)  # type: ignore[arg-type]
+        return ()
+    return torch.autograd.grad(outputs, inputs, seeds, retain_graph=retain, allow_unused=True)  # type: ignore[arg-type]
 
 
 def _add(into: dict[Any, torch.Tensor], key: Any, g: torch.Tensor | None) -> None:
@@ -216,7 +239,7 @@ def _accumulate(accumulators: list[Node], params: list[torch.Tensor], grads: lis
                     hooks.append((own, dict(own)))
                     own.clear()
         if edges:
-            torch.autograd.backward(edges, grad_outputs)  # type: ignore[arg-type]
+            run_engine(edges, grad_outputs, False, (), accumulate=True)
     finally:
         handoff.close()
         for own, saved in hooks:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from . import _checkpoint
 from ._accelerate import adopt_prepared, check_backward, link_accelerator
+from ._autotune import Autotune, Tuner
 from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, live_params
 from ._execute import GraphFreedError, execute, freed_message
@@ -61,6 +63,10 @@ class Router:
             gradients, parameters and optimizer state) until it returns, and puts everything back if anything
             raises. ``False`` saves that memory; a failed step then leaves the groups as torch left them
             (the scaler, schedulers and counters are still put back).
+        autotune: measure the candidate plans of each new graph on its first routed backwards and keep the
+            fastest within a memory tolerance (:class:`gradroute.Autotune`; ``True``: its defaults). Only graphs
+            with ``gradroute.checkpoint`` segments that several engine calls enter have more than one
+            candidate; :meth:`plan` says what was chosen. ``False``: always ``plan_options``.
         **named_groups: groups by keyword.
 
     Example:
@@ -86,6 +92,7 @@ class Router:
         skip_nonfinite: bool = True,
         atomic_step: bool = True,
         accelerator: Any = None,
+        autotune: bool | Autotune = True,
         **named_groups: GroupLike,
     ) -> None:
         specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
@@ -103,7 +110,15 @@ class Router:
         elif not isinstance(plan_options, PlanOptions):
             raise TypeError(f"`plan_options` must be a gradroute.PlanOptions, got {type(plan_options).__name__}")
         self._options = plan_options
-        self._cache = PlanCache()
+        if isinstance(autotune, bool):
+            settings = Autotune() if autotune else None
+        elif isinstance(autotune, Autotune):
+            settings = autotune
+        else:
+            raise TypeError(f"`autotune` must be a bool or a gradroute.Autotune, got {type(autotune).__name__}")
+        self._tuner = None if settings is None else Tuner(settings, _CHECKPOINTS)
+        # room for every candidate's program of two call shapes
+        self._cache = PlanCache(size=8 if settings is None else 16)
         self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
         if self._accelerator is not None:
             scaler = self._accelerator.scaler
@@ -125,6 +140,16 @@ class Router:
     def plan_options(self) -> PlanOptions:
         """The planner's settings this router was built with."""
         return self._options
+
+    @property
+    def autotune(self) -> Autotune | None:
+        """The measured choice's settings, or None when it is off."""
+        return None if self._tuner is None else self._tuner.settings
+
+    @property
+    def autotuning(self) -> bool:
+        """Whether the plans of some graph seen are still being measured (the next backward may be a trial)."""
+        return self._tuner is not None and self._tuner.measuring
 
     @property
     def groups(self) -> Mapping[str, Group]:
@@ -158,10 +183,12 @@ class Router:
         check_backward(self._accelerator, self._stepper.accumulate)
         routes = self._routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(routes)
-        program = self._program(routes, merge_shared=True)
-        _check_graph_alive(program.graph.nodes, [r.name for r in routes])
-        execute(program, accumulate=True, remake_min_bytes=self._options.remake_min_bytes)
-        del program
+        with _collector_paused():
+            program = self._program(routes, merge_shared=True)
+            _check_graph_alive(program.graph.nodes, [r.name for r in routes])
+            with self._trial():
+                execute(program, accumulate=True, remake_min_bytes=program.options.remake_min_bytes)
+            del program
         self._stepper.after_backward(routes)
 
     def grads(
@@ -174,19 +201,27 @@ class Router:
             parameter the loss does not reach). No scaling is applied.
         """
         routes = self._routes(losses, named_losses, "grads")
-        program = self._program(routes, merge_shared=False)
-        _check_graph_alive(program.graph.nodes, [r.name for r in routes])
-        collected = execute(program, accumulate=False, remake_min_bytes=self._options.remake_min_bytes)
-        del program
+        with _collector_paused():
+            program = self._program(routes, merge_shared=False)
+            _check_graph_alive(program.graph.nodes, [r.name for r in routes])
+            with self._trial():
+                collected = execute(program, accumulate=False, remake_min_bytes=program.options.remake_min_bytes)
+            del program
         return {r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)}
 
     def plan(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> Plan:
         """What :meth:`backward` would do with these losses; nothing is run. ``print(plan)`` shows a table."""
         routes = self._routes(losses, named_losses, "plan")
-        program = self._program(routes, merge_shared=True)
+        with _collector_paused():
+            program = self._program(routes, merge_shared=True)
+        self._trial()  # nothing runs: no measurement
         plan = _with_other_groups(
             program, {n: g.params for n, g in self._groups.items() if n not in program.plan.reach}
         )
+        if self._tuner is not None:
+            tuned = self._tuner.describe()
+            if tuned:
+                plan = dataclasses.replace(plan, notes=(*plan.notes, tuned))
         nodes = program.graph.nodes
         notes = list(plan.notes)
         torch_ckpt = sum(1 for i in program.planned.shared if _checkpoint.checkpoint_kind(nodes[i]) == "torch")
@@ -327,19 +362,21 @@ class Router:
         return routes
 
     def _program(self, routes: list[Route], *, merge_shared: bool) -> Program:
-        enabled = gc.isenabled()
-        gc.disable()  # the walk creates a Python object per node: no collector passes in between
-        try:
-            # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any
-            # of them: keep each pass through it in one call
-            fsdp2 = fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
-            options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
-            program = build(
+        # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
+        # them: keep each pass through it in one call
+        fsdp2 = fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
+        options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
+
+        def make(options: PlanOptions) -> Program:
+            return build(
                 routes, merge_shared=merge_shared, options=options, cache=self._cache, checkpoints=_CHECKPOINTS
             )
-        finally:
-            if enabled:
-                gc.enable()
+
+        if self._tuner is None:
+            program = make(options)
+        else:
+            shape = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
+            program = self._tuner.program(shape, options, routes, make)
         bad = [n for n in program.unreached if n not in self._allow_unreached]
         if bad:
             raise ValueError(
@@ -348,6 +385,34 @@ class Router:
                 f"Router(..., allow_unreached=[{bad[0]!r}]) if that is intended"
             )
         return program
+
+    def _trial(self) -> Any:
+        """The context to run the program just built in: measures it while the tuner is measuring."""
+        return _NOTHING if self._tuner is None else self._tuner.trial()
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No cycle collection from the graph walk until the program is dropped.
+
+    NOTE [The cycle collector and the routed backward]
+    The walk makes a Python object per autograd node and per edge list; all of them go when the program is
+    dropped. With the collector on, they would trigger collections while alive (each call promoting them to
+    older generations, which then get full collections every few calls: 0.1-1.7 ms per sd-tiny backward on
+    average); paused from the walk until the program is dropped, their allocations and frees cancel out and
+    the collector's counters end where they started. Cyclic garbage made meanwhile (by hooks, say) waits
+    for the next collection, as with any allocation.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _check_allow_unreached(value: Any, groups: Mapping[str, Group]) -> set[str]:

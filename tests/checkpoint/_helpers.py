@@ -159,16 +159,17 @@ def backward_sampling_live(
 ) -> list[int]:
     """Run ``router.backward(**losses)``; after each engine call, ``count()`` (by default: the segments holding
     recomputations)."""
+    from gradroute import _execute
+
     live: list[int] = []
-    for name in ("grad", "backward"):
-        engine = getattr(torch.autograd, name)
+    engine = _execute.run_engine
 
-        def sampled(*args: Any, _engine: Any = engine, **kwargs: Any) -> Any:
-            out = _engine(*args, **kwargs)
-            live.append(count())
-            return out
+    def sampled(*args: Any, **kwargs: Any) -> Any:
+        out = engine(*args, **kwargs)
+        live.append(count())
+        return out
 
-        monkeypatch.setattr(torch.autograd, name, sampled)
+    monkeypatch.setattr(_execute, "run_engine", sampled)  # every engine call of a routed backward goes there
     router.backward(**losses)
     monkeypatch.undo()
     return live

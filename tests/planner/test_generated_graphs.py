@@ -150,7 +150,7 @@ def _build(case):
 
 
 def _check(case):
-    options = gradroute.PlanOptions()
+    options = case.get("options") or gradroute.PlanOptions()
     if case.get("chunk"):
         options = dataclasses.replace(options, chunk=case["chunk"])
     if case.get("recipes"):
@@ -159,7 +159,7 @@ def _check(case):
     routed = {name: loss for name, loss in forward().items() if name in groups}
     names = list(routed)
     expected = reference_grads(forward, groups, names=names)
-    router = gradroute.Router(groups, allow_unreached=True, plan_options=options)
+    router = gradroute.Router(groups, allow_unreached=True, plan_options=options, autotune=False)
     router.backward(routed)
     assert_grads_match(params, expected, rtol=1e-9, atol=1e-12)
 
@@ -191,6 +191,13 @@ def test_generated_graphs_exact(case):
 def test_generated_graphs_with_checkpointed_segments_exact(case):
     """Segments shared by several passes make the planner cut and interleave per segment."""
     _check(case)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(checkpointed_cases(), st.sampled_from(gradroute.Autotune.default_candidates(gradroute.PlanOptions())))
+def test_generated_graphs_every_autotune_candidate_exact(case, options):
+    """Every plan the measured choice may keep (``Router(autotune=...)``) is exact."""
+    _check({**case, "chunk": None, "recipes": False, "options": options})
 
 
 @pytest.mark.slow

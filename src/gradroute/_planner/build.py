@@ -64,6 +64,7 @@ class Planned:
         shared: the nodes that more than one pass executes.
         per_call: the nodes of checkpoint segments recomputed once per call instead of shared.
         leaf_routes: leaf node id -> the routes whose losses reach it (for the reach of groups not routed).
+        held: the most bytes of shared checkpoint recomputations alive at once between calls (``PerCall.held``).
     """
 
     plan: Plan
@@ -71,6 +72,7 @@ class Planned:
     shared: tuple[int, ...]
     per_call: tuple[int, ...]
     leaf_routes: dict[int, int]
+    held: int = 0
 
 
 def analyse(
@@ -129,6 +131,7 @@ def analyse(
         shared=tuple(i for i, nd in enumerate(need.needed_by) if several(nd)),
         per_call=per_call.nodes,
         leaf_routes={i: found.reached_by[i] for i in g.leaf},
+        held=per_call.held,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._graph import Graph
@@ -27,10 +27,13 @@ class PerCall:
     Attributes:
         nodes: their autograd node ids, sorted.
         segments: how many segments they make.
+        held: the most bytes the other (shared) segments' recomputations hold at once after a call: the
+            plan's own estimate of what it keeps beyond a plain backward (read by the measured plan choice).
     """
 
     nodes: tuple[int, ...] = ()
     segments: int = 0
+    held: int = field(default=0, compare=False)
 
 
 def recompute_per_call(
@@ -71,7 +74,8 @@ def recompute_per_call(
             b, r = live.pop()  # the segment holding the most at this call
             out.add(r)
             total -= b
-    return PerCall(nodes=tuple(sorted(i for r in out for i in members[r])), segments=len(out))
+    peak = max((sum(row[t] for r, row in held.items() if r not in out) for t in range(len(call_members))), default=0)
+    return PerCall(nodes=tuple(sorted(i for r in out for i in members[r])), segments=len(out), held=peak)
 
 
 def _held(last_call: dict[int, int], first: int, nbytes: dict[int, int], n_calls: int) -> list[int]:

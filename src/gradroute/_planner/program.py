@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .._graph import Graph, root_edge, walk
 from .._options import PlanOptions
@@ -20,11 +20,13 @@ class Program:
         planned: the pipeline's result (shared with the cache).
         graph: the losses' graph.
         routes: the routes, in the caller's order.
+        options: the options it was planned with (the executor reads ``remake_min_bytes``).
     """
 
     planned: Planned
     graph: Graph
     routes: Sequence[Route]
+    options: PlanOptions = field(default_factory=PlanOptions)
 
     @property
     def plan(self) -> Plan:
@@ -97,7 +99,8 @@ def build(
     hit = cache.entries.get(key) if cache is not None else None
     if cache is not None and hit is not None and hit[0] == g.signature:
         cache.hits += 1
-        return Program(hit[1], g, routes)
+        g.signature = hit[0]  # equal; the cached list, so that callers can tell the entry by identity
+        return Program(hit[1], g, routes, options)
     roots = [[g.index[n] for n in nodes] for nodes in root_nodes]
     planned = analyse(
         g,
@@ -114,4 +117,4 @@ def build(
         if len(cache.entries) >= cache.size:
             cache.entries.pop(next(iter(cache.entries)))
         cache.entries[key] = (g.signature, planned)
-    return Program(planned, g, routes)
+    return Program(planned, g, routes, options)

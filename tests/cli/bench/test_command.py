@@ -55,8 +55,14 @@ def test_bench_checkpointing_on_sd_tiny(tmp_path, capsys):
     argv = ["bench", "--width", "8", *TINY_BENCH, "--checkpointing", "--no-memory", "--json", str(path)]
     argv += ["--strategies", "sum,pruned,gradroute,gradroute_ckpt"]
     assert main(argv) == 0
-    capsys.readouterr()
+    out = capsys.readouterr().out
     report = json.loads(path.read_text())
     assert report["checkpointing"] is True
     for s in ("pruned", "gradroute", "gradroute_ckpt"):
         assert report["results"][s]["err"] <= 1e-5, (s, report["results"][s])
+    # gradroute.checkpoint segments that both passes enter: the router's measured plan choice ran (untimed)
+    # before timing, and the bench says what it kept
+    chosen = report["results"]["gradroute_ckpt"]["autotune"]
+    assert chosen.startswith("autotune: candidate #") and chosen.count("<- chosen") == 1
+    assert "gradroute_ckpt, measured plan choice: #" in out
+    assert "autotune" not in report["results"]["gradroute"]  # torch's checkpoint: one candidate, nothing measured

@@ -34,6 +34,10 @@ def measure(
     progress = progress or Progress(0, "", enabled=False)
     results = _errors(r, strategies, progress)
     ok = [s for s in strategies if "error" not in results[s]]
+    for s in ok:  # the router's measured plan choice runs before timing (untimed), and is recorded
+        chosen = r.settle(s)
+        if chosen:
+            results[s]["autotune"] = chosen
     times = _times(r, ok, steps, warmup, progress)
     for s in ok:
         results[s]["ms"] = statistics.median(times[s]) if times[s] else None

@@ -26,6 +26,7 @@ from .runner import Runner
 
 def cuda_peak(r: Runner, strategy: str) -> float:
     """Bytes allocated at the peak of one step above those allocated before it."""
+    r.settle(strategy)  # the router's measured plan choice done: the step runs the plan it keeps
     r.prepare(strategy)
     r.zero()
     gc.collect()
@@ -81,6 +82,7 @@ def child(args: argparse.Namespace) -> int:
     strategy = args._one
     r.prepare(strategy)
     r.step(strategy)  # warm-up: lazy initialisation, allocator pools
+    r.settle(strategy)  # the router's measured plan choice done: the steps run the plan it keeps
     peak, method = 0.0, ""
     for _ in range(2):
         p, method = _rss_peak_of_step(r, strategy)

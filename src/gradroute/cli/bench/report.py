@@ -92,4 +92,10 @@ def table(report: dict[str, Any]) -> str:
             lines.append(
                 f"- {_TARGET_NAMES[k]}: {val:{spec}} (target {v['target']}: {'met' if v['met'] else 'MISSED'})"
             )
+    chosen = {s: v["autotune"] for s, v in res.items() if v.get("autotune")}
+    if chosen:  # the router's measured plan choice (Router(autotune=...)), run untimed before timing
+        lines.append("")
+        for s, note in chosen.items():
+            row = next((r.strip() for r in note.splitlines() if "<- chosen" in r), note.splitlines()[0])
+            lines.append(f"- {s}, measured plan choice: {row.replace(' <- chosen', '')}")
     return "\n".join(lines)

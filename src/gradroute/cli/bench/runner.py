@@ -63,6 +63,23 @@ class Runner:
     def step(self, strategy: str) -> None:
         STRATEGY_FNS[strategy](self)
 
+    def settle(self, strategy: str, limit: int = 100) -> str | None:
+        """Untimed steps of a ``gradroute*`` strategy until the router's measured plan choice is done with its
+        graph (``Router(autotune=...)``; a few steps, where there is anything to measure), then what it chose
+        (the plan's ``autotune`` note) or None. Other strategies: nothing."""
+        if not strategy.startswith("gradroute"):
+            return None
+        self.prepare(strategy)
+        for _ in range(limit):
+            self.zero()
+            self.step(strategy)
+            if not self.router.autotuning:
+                break
+        self.zero()
+        _, loss_up, loss_down = self.forward()
+        notes = self.router.plan(**{self.wl.up_name: loss_up, self.wl.down_name: loss_down}).notes
+        return next((n for n in notes if n.startswith("autotune")), None)
+
     def reference(self) -> dict[str, list[torch.Tensor]]:
         """Per group: the gradient of its own loss alone, from a fresh forward (fp32 gradients)."""
         self.prepare("sum")

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from . import _checkpoint
+from ._compat import saved_items, saved_state
 from ._distributed import live_params
 from ._execute import GraphFreedError, execute, freed_message
-from ._graph import saved_attrs
 from ._group import Group, GroupLike
 from ._options import PlanOptions
 from ._planner import Checkpoints, Plan, PlanCache, Program, build
@@ -356,22 +356,20 @@ def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:
         return
     frontier = [fn]
     seen = {fn}
-    saved = empty = 0
+    freed = 0
     while frontier and len(seen) <= probe:
         node = frontier.pop(0)
-        for attr in saved_attrs(node):
-            raw = getattr(node, attr)
-            for item in raw if isinstance(raw, (list, tuple)) else (raw,):
-                if item is None:
-                    continue
-                saved += 1
-                if item.data is None and item.unpack_hook is None:
-                    empty += 1
-        if saved and empty < saved:
-            return
+        items = saved_items(node)
+        if items is None:  # torch reports it freed
+            raise GraphFreedError(freed_message(label))
+        for item in items:
+            state = "none" if item is None else saved_state(item)
+            if state == "live":
+                return
+            freed += state == "freed"
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
                 frontier.append(nxt)
-    if saved and empty == saved:
+    if freed:
         raise GraphFreedError(freed_message(label))

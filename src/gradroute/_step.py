@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ._compat import found_inf, scaler_stage
 from ._distributed import GradSync, group_params
 from ._group import Group, describe_param, optimizer_mismatch, scheduler_mismatch
 from ._types import Route
@@ -273,9 +274,9 @@ class Stepper:
         ``GradScaler._found_inf_per_device(optimizer)`` is private (torch has no public query for it); it is
         what ``scaler.step`` itself sums to decide. Without it, the unscaled gradients are checked.
         """
-        record = getattr(self.scaler, "_found_inf_per_device", None)
-        if record is not None:
-            return bool(sum(float(v) for v in record(g.optimizer).values()))
+        skipped = found_inf(self.scaler, g.optimizer)
+        if skipped is not None:
+            return skipped
         return not all(bool(torch.isfinite(p.grad).all()) for p in g.params if p.grad is not None)
 
     def _take_losses(self) -> dict[str, float]:
@@ -301,19 +302,12 @@ class Stepper:
     def _check_gradients(self, active: Mapping[str, Group]) -> None:
         if not self._scaling:
             return
-        try:
-            from torch.amp.grad_scaler import OptState
-
-            ready: Any = OptState.READY
-        except ImportError:  # pragma: no cover - torch without torch.amp.grad_scaler
-            ready = None
-        states = getattr(self.scaler, "_per_optimizer_states", {})
         for name, g in active.items():
-            state = states.get(id(g.optimizer)) if isinstance(states, Mapping) else None
-            if ready is not None and state is not None and state.get("stage", ready) is not ready:
+            stage = scaler_stage(self.scaler, g.optimizer)
+            if stage is not None and stage[0] is not stage[1]:
                 raise RuntimeError(
                     f"the scaler was already used on group `{name}`'s optimizer since its last update() "
-                    f"(stage {state['stage'].name}): router.step() unscales and steps every optimizer "
+                    f"(stage {stage[0].name}): router.step() unscales and steps every optimizer "
                     "itself; do not call scaler.unscale_/scaler.step on them"
                 )
             for p in g.params:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import gradroute
-from gradroute import _session
+from gradroute import _compat, _session
 from gradroute._checkpoint import checkpoint_kind
 from gradroute._checkpoint._registry import this_thread
 
@@ -41,7 +41,7 @@ class Block(nn.Module):
         h = nn.functional.dropout(a, self.p, training=True)
         if _session.current() is not None:  # only recomputations run inside a routed backward
             self.recomputed += 1
-        if torch._C._current_graph_task_id() != -1:  # a recomputation: keep an eye on two saved tensors
+        if _compat.current_graph_task_id() != -1:  # a recomputation: keep an eye on two saved tensors
             self.storages += [StorageWeakRef(t.untyped_storage()) for t in (a, h)]
         return x + self.lin2(h)
 
@@ -191,7 +191,7 @@ class GatedFF(nn.Module):
         if self.scale_in_place:
             g.mul_(2.0)  # modified after it was made: a remake would be wrong
         prod = h * torch.sigmoid(g) * g
-        if torch._C._current_graph_task_id() != -1:  # a recomputation
+        if _compat.current_graph_task_id() != -1:  # a recomputation
             self.made += [
                 (n, StorageWeakRef(t.untyped_storage())) for n, t in (("proj", p), ("gelu", g), ("prod", prod))
             ]

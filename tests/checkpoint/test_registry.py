@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import gradroute
+from gradroute import _compat
 from gradroute._checkpoint import segments
 from gradroute._checkpoint._registry import this_thread
 
@@ -43,9 +44,9 @@ def _forward(
         if ranges is None:
             h = layer(h)
             continue
-        first = torch._C._autograd._get_sequence_nr()
+        first = _compat.next_sequence_nr()
         h = gradroute.checkpoint(layer, h)
-        ranges.append((first, torch._C._autograd._get_sequence_nr()))
+        ranges.append((first, _compat.next_sequence_nr()))
     loss = h.pow(2)
     return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
 

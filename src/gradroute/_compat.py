@@ -29,8 +29,7 @@ API                                         releases      without it
 ``.queue_callback``
 ``torch.utils.checkpoint`` internals:       all           -
 ``_infer_device_type``, ``_get_device_module``,
-``_Holder``; ``set_device_states(...,
-device_type=)``                             2.5+          2.4 infers the device from the states
+``_Holder``
 ``torch.utils._python_dispatch``,           all           -
 ``torch.utils._pytree.tree_map``,
 ``torch.multiprocessing.reductions.StorageWeakRef``,
@@ -45,10 +44,11 @@ device_type=)``                             2.5+          2.4 infers the device 
 ``._per_optimizer_states``                                the stage check is skipped
 FSDP2 (``fully_shard``) internals:
 ``torch.distributed._composable_state``     all           -
-FSDPState/FSDPParam module                  2.6+ [3]_     2.4-2.5: ``torch.distributed._composable.fsdp``
+FSDPState/FSDPParam module                  2.6+ [3]_     2.5: ``torch.distributed._composable.fsdp``
 ``FSDPState._fsdp_param_groups``            2.10+         ``_fsdp_param_group`` (one group per state)
 ``FSDPParam._unsharded_param``              all           -
-``torch.distributed.fsdp.fully_shard``      2.6+          2.4-2.5: ``torch.distributed._composable.fsdp``
+``torch.distributed.fsdp.fully_shard``      2.6+          2.5: ``torch.distributed._composable.fsdp`` (whose
+                                                          FSDP2 runs on CUDA only)
 ==========================================  ============  ======================================================
 
 .. [1] the release is the first one of the tested matrix that has it (README, "Supported versions").
@@ -70,8 +70,6 @@ without hooks. The probe stops at the first live tensor, so at most one tensor p
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import re
 import sys
 import weakref
@@ -84,7 +82,7 @@ from torch._C._autograd import _get_sequence_nr
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import CheckpointError, noop_context_fn
+from torch.utils.checkpoint import CheckpointError, get_device_states, noop_context_fn, set_device_states
 
 __all__ = [
     "SAVED_DATA",
@@ -339,25 +337,6 @@ def device_module(device_type: str) -> Any:
     return _torch_ckpt._get_device_module(device_type)
 
 
-def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
-    """The RNG states of the devices of ``args``' tensors (as torch's checkpoint saves them)."""
-    devices, states = _torch_ckpt.get_device_states(*args)
-    return list(devices), list(states)
-
-
-@functools.cache
-def _set_takes_device_type() -> bool:
-    return "device_type" in inspect.signature(_torch_ckpt.set_device_states).parameters
-
-
-def set_device_states(devices: list[int], states: list[torch.Tensor], device_type: str) -> None:
-    """Restore device RNG states (torch 2.4 infers the device type itself)."""
-    if _set_takes_device_type():
-        _torch_ckpt.set_device_states(devices, states, device_type=device_type)
-    else:
-        _torch_ckpt.set_device_states(devices, states)
-
-
 def get_autocast_kwargs(device_type: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The autocast state in effect for ``device_type`` (None if autocast is not available for it) and for
     the CPU, as keyword arguments of ``torch.amp.autocast``; public APIs only."""
@@ -443,7 +422,7 @@ def unsharded_param(fsdp_param: Any) -> torch.Tensor | None:
 
 
 def fully_shard() -> Callable[..., Any]:
-    """FSDP2's ``fully_shard`` (public from torch 2.6; ``torch.distributed._composable.fsdp`` before)."""
+    """FSDP2's ``fully_shard`` (public from torch 2.6; ``torch.distributed._composable.fsdp`` in 2.5)."""
     try:
         from torch.distributed.fsdp import fully_shard as fn
     except ImportError:

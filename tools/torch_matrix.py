@@ -241,6 +241,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--readme", type=Path, help="also replace the table between the README's markers")
     args = p.parse_args(argv)
     args.versions = [v.removeprefix("torch==") for v in (args.versions or [*REFUSED, *SUPPORTED])]
+    for v in args.versions:
+        if not re.fullmatch(r"\d+\.\d+\.\d+", v):
+            p.error(f"`--versions`: exact releases such as 2.6.0 or torch==2.6.0, got {v!r}")
     args.ends = {SUPPORTED[0], SUPPORTED[-1]}
     return args
 

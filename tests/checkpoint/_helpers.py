@@ -125,8 +125,11 @@ def counting(ck: CK, counts: dict[str, list[int]]) -> CK:
     """``ck`` that counts, per checkpointed segment, the recomputations run inside a routed backward."""
 
     def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        owner = getattr(fn, "__self__", fn)  # diffusers passes the module, transformers a partial
-        owner = getattr(owner, "args", [owner])[0] if isinstance(owner, functools.partial) else owner
+        # diffusers passes the module, transformers a partial (of the module, or of its bound __call__)
+        owner = fn
+        while isinstance(owner, functools.partial):
+            owner = owner.args[0] if owner.args else owner.func
+        owner = getattr(owner, "__self__", owner)
         side = "unet" if type(owner).__module__.startswith("diffusers") else "tenc"
         slot = len(counts[side])
         counts[side].append(0)

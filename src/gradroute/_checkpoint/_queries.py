@@ -8,7 +8,7 @@ from typing import Any
 from .. import _compat
 from .._compat import TorchPlaceholder, saved_attrs
 from ._placeholder import Placeholder
-from ._registry import SegmentRegistry, merged_ranges, this_thread
+from ._registry import SegmentRegistry, merged_ranges, others_have_segments, this_thread
 
 
 def _saved_data(node: Any) -> list[Any]:
@@ -39,8 +39,12 @@ def segments(nodes: Iterable[Any] | None = None) -> list[tuple[int, int]]:
             that recorded the segments among them (sequence numbers are per thread, see NOTE [Segment registry
             per thread]). ``None``: the calling thread's segments (right when the graph was built in it).
     """
-    if nodes is None or not _compat.SAVED_DATA:  # without SavedTensor.data: this thread's (see _compat)
+    if nodes is None:
         return this_thread().ranges()
+    if not _compat.SAVED_DATA:
+        # the nodes cannot tell whose segments they are: this thread's while no other thread has any, else
+        # none (the planner then plans as without segments, exact)
+        return [] if others_have_segments() else this_thread().ranges()
     registries: dict[int, SegmentRegistry] = {}
     for node in nodes:
         for data in _saved_data(node):

@@ -96,18 +96,29 @@ def pytest_counts(py: str, files: list[str], report: Path, log: Path, timeout: f
     report.unlink(missing_ok=True)
     cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *files]
     rc = run(cmd, log, timeout=timeout)
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
-    if not report.exists():
-        counts["failed"] = 1  # pytest did not get as far as a report (import error, timeout)
-        return counts
-    for suite in ET.parse(report).getroot().iter("testsuite"):
-        n, failed = int(suite.get("tests", 0)), int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-        skipped = int(suite.get("skipped", 0))
-        counts["failed"] += failed
-        counts["skipped"] += skipped
-        counts["passed"] += n - failed - skipped
+    counts = report_counts(report)
     if rc == 124:
         counts["failed"] += 1
+        counts["timed_out"] = 1
+    return counts
+
+
+def report_counts(report: Path) -> dict[str, int]:
+    """passed/failed/skipped/xfailed of a JUnit report (no report: one failure, pytest did not get that far)."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
+    if not report.exists():
+        counts["failed"] = 1
+        return counts
+    for case in ET.parse(report).getroot().iter("testcase"):
+        kinds = {child.tag: child.get("type", "") for child in case}
+        if "failure" in kinds or "error" in kinds:
+            counts["failed"] += 1
+        elif kinds.get("skipped") == "pytest.xfail":
+            counts["xfailed"] += 1
+        elif "skipped" in kinds:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
     return counts
 
 
@@ -181,7 +192,7 @@ def check_version(version: str, args: argparse.Namespace) -> dict:
             t0 = time.monotonic()
             report = results / f"{version}-{column.replace(' ', '-')}.xml"
             counts = pytest_counts(py, column_files(column), report, log, args.timeout)
-            record["columns"][column] = {**counts, "seconds": round(time.monotonic() - t0)}
+            record["columns"][column] = {**counts, "seconds": round(time.monotonic() - t0), "commit": record["commit"]}
         record["libraries"] = versions_of(py, EXAMPLE_LIBS)
         record["private_apis"] = private_apis(py)
     record["seconds"] = round(time.monotonic() - started)
@@ -194,7 +205,8 @@ def cell(record: dict, column: str) -> str:
     c = record.get("columns", {}).get(column)
     if c is None:
         return "-"
-    return f"{c['passed']}/{c['failed']}/{c['skipped']}"
+    xfailed = f" ({c['xfailed']} xfail)" if c.get("xfailed") else ""
+    return f"{c['passed']}/{c['failed']}/{c['skipped']}{xfailed}"
 
 
 def row(record: dict) -> list[str]:
@@ -208,16 +220,23 @@ def row(record: dict) -> list[str]:
         cells = [cell(record, c) for c in COLUMNS]
     apis = ", ".join(k for k, v in record.get("private_apis", {}).items() if v) or "-"
     libs = ", ".join(f"{k} {v}" for k, v in record.get("libraries", {}).items()) or "-"
-    return [record["torch"], *cells, apis, libs, f"{record['commit']}, {record['date']}"]
+    commits = sorted({c.get("commit", record["commit"]) for c in record.get("columns", {}).values()})
+    return [record["torch"], *cells, apis, libs, f"{' / '.join(commits or [record['commit']])}, {record['date']}"]
 
 
 def table(results: Path) -> str:
     records = [json.loads(f.read_text()) for f in results.glob("*.json")]
+    for r in records:  # counted again from the reports (records from before xfails were told apart)
+        for column, counts in r.get("columns", {}).items():
+            report = results / f"{r['torch']}-{column.replace(' ', '-')}.xml"
+            if report.exists() and not counts.get("timed_out"):
+                counts.update(report_counts(report))
     records.sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["torch"])))
     head = ["torch", *COLUMNS, "has (private APIs)", "libraries (pip's pick)", "commit, date"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row(r)) + " |" for r in records]
-    return "\n".join(lines) + "\n\nCells: passed/failed/skipped; `-`: not run.\n"
+    legend = "Cells: passed/failed/skipped (xfail: a test the suite marks as an expected failure); `-`: not run."
+    return "\n".join(lines) + "\n\n" + legend + "\n"
 
 
 def update_readme(readme: Path, text: str) -> None:
@@ -239,6 +258,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep each version's venv")
     p.add_argument("--table-only", action="store_true", help="only write the table from the stored results")
     p.add_argument("--readme", type=Path, help="also replace the table between the README's markers")
+    p.add_argument("--merge", action="store_true", help="keep a version's stored columns that this run skips")
     args = p.parse_args(argv)
     args.versions = [v.removeprefix("torch==") for v in (args.versions or [*REFUSED, *SUPPORTED])]
     for v in args.versions:
@@ -257,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         for version in args.versions:
             print(f"torch {version} ...", flush=True)
             record = check_version(version, args)
-            (args.results / f"{version}.json").write_text(json.dumps(record, indent=1))
+            stored = args.results / f"{version}.json"
+            if args.merge and stored.exists():
+                old = json.loads(stored.read_text())
+                record["columns"] = {**old.get("columns", {}), **record["columns"]}
+            stored.write_text(json.dumps(record, indent=1))
             failed = "error" in record or record.get("refused", "") is None
             failed |= any(c["failed"] for c in record["columns"].values())
             bad += failed

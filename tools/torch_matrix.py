@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             stored = args.results / f"{version}.json"
             if args.merge and stored.exists():
                 old = json.loads(stored.read_text())
-                record["columns"] = {**old.get("columns", {}), **record["columns"]}
+                kept = {k: {"commit": old["commit"], **c} for k, c in old.get("columns", {}).items()}
+                record["columns"] = {**kept, **record["columns"]}
             stored.write_text(json.dumps(record, indent=1))
             failed = "error" in record or record.get("refused", "") is None
             failed |= any(c["failed"] for c in record["columns"].values())

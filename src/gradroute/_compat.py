@@ -13,7 +13,7 @@ Where a public API does the job it is used instead (autocast state: ``torch.is_a
 ==========================================  ============  ======================================================
 API                                         releases      without it
 ==========================================  ============  ======================================================
-``SavedTensor.data`` / ``.unpack_hook``     2.X+ [1]_     freed-graph probe through ``register_hooks`` (below);
+``SavedTensor.data`` / ``.unpack_hook``     [1]_          freed-graph probe through ``register_hooks`` (below);
                                                           checkpoint bytes per node from sequence numbers;
                                                           torch's own checkpoint nodes not recognised [2]_
 ``SavedTensor.register_hooks``,             all           -
@@ -22,7 +22,7 @@ API                                         releases      without it
 ``Node._sequence_nr()``
 ``torch._C._current_graph_task_id``,        all           -
 ``torch._C._current_autograd_node``
-``torch._C._get_graph_exec_group``          2.X+ [1]_     no ``GraphExecGroup`` can be in effect: keyed by the
+``torch._C._get_graph_exec_group``          [1]_          no ``GraphExecGroup`` can be in effect: keyed by the
                                                           engine's graph task, as torch's checkpoint then did
 ``torch._C._DisableAutocast``               all           -
 ``Variable._execution_engine``              all           -
@@ -51,7 +51,8 @@ FSDPState/FSDPParam module                  2.6+ [3]_     2.5: ``torch.distribut
                                                           FSDP2 runs on CUDA only)
 ==========================================  ============  ======================================================
 
-.. [1] the release is the first one of the tested matrix that has it (README, "Supported versions").
+.. [1] not in 2.5 and 2.6, in 2.13 and 2.15; the README's table ("Supported versions", column "has") lists
+   every tested release.
 .. [2] the plan's note that ``torch.utils.checkpoint`` segments are recomputed once per call is not given;
    the gradients and the calls are the same.
 .. [3] ``torch.distributed.fsdp._fully_shard._fsdp_state``.

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.stamp
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test test-torch test-oldest test-matrix lint typecheck bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,9 +31,26 @@ demo: $(STAMP)-core
 test: $(STAMP)-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# the suite against another torch, in a venv of its own under MATRIX_CACHE (the pinned .venv stays as it is);
+# e.g. make test-torch TORCH_SPEC="torch==2.6.0". Results and logs: build/torch-matrix/
+MATRIX_CACHE ?= $(HOME)/.cache/gradroute-matrix
+MATRIX_ARGS ?=
+test-torch:
+	$(PYTHON) tools/torch_matrix.py --versions "$(TORCH_SPEC)" --examples all --keep --cache "$(MATRIX_CACHE)" $(MATRIX_ARGS)
+
+# CI's check of the oldest supported torch: the core test files (no examples), its venv kept between runs
+test-oldest:
+	$(PYTHON) tools/torch_matrix.py --versions 2.5.1 --columns core --examples none --keep --cache "$(MATRIX_CACHE)" \
+		--results build/torch-oldest $(MATRIX_ARGS)
+
+# every supported torch minor (and the refusal of the last older one), one at a time; the table goes to
+# build/torch-matrix/table.md and README.md ("Supported versions")
+test-matrix:
+	$(PYTHON) tools/torch_matrix.py --cache "$(MATRIX_CACHE)" --readme README.md $(MATRIX_ARGS)
+
 lint: $(STAMP)-test
-	$(PY) -m ruff check src tests examples benchmarks
-	$(PY) -m ruff format --check src tests examples benchmarks
+	$(PY) -m ruff check src tests examples benchmarks tools
+	$(PY) -m ruff format --check src tests examples benchmarks tools
 
 typecheck: $(STAMP)-test
 	$(PY) -m mypy

@@ -93,6 +93,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def no_donated_buffers() -> contextlib.AbstractContextManager[object]:
+    """``torch._functorch.config.donated_buffer = False`` while inside (torch 2.6+; before, none are donated)."""
+    config = torch._functorch.config
+    return config.patch(donated_buffer=False) if hasattr(config, "donated_buffer") else contextlib.nullcontext()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     sd.quiet_hf()
@@ -105,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.compile == "gradroute":
                 return run(args, model_dir)
             # plain torch.compile: see examples/README.md for why (routed passes retain through compiled backwards)
-            with torch._functorch.config.patch(donated_buffer=False):
+            with no_donated_buffers():
                 return run(args, model_dir)
         except sd.UsageError as e:
             print(f"error: {e}", file=sys.stderr)

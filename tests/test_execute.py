@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradroute
+from gradroute import _compat
 
 from ._reference import assert_grads_match, reference_grads, route_into_grad
 
@@ -141,7 +142,7 @@ class AccumulateGradOps(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        node = torch._C._current_autograd_node()
+        node = _compat.current_autograd_node()
         if node is not None and node.name() == "torch::autograd::AccumulateGrad":
             self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))

@@ -4,7 +4,10 @@ Each loss trains only its own network; the engine passes, their ``inputs=``, ret
 autograd graph. See :class:`Router`.
 """
 
-from . import schedules
+from . import (
+    _compat,  # noqa: F401  (first: it refuses a torch older than gradroute supports)
+    schedules,
+)
 from ._autotune import Autotune
 from ._checkpoint import checkpoint, checkpoint_modules, cut_points
 from ._compile import CompileStats, compile, compile_stats

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ._compat import node_sequence_nr
 from ._graph import saved_attrs
 from ._options import PlanOptions
 from ._planner import Checkpoints, Program
@@ -377,7 +378,7 @@ def _shared_segments(program: Program, ckpts: Checkpoints, skip: Sequence[int] =
     starts = [a for a, _ in ranges]
 
     def segment(i: int) -> int:
-        s = nodes[i]._sequence_nr()
+        s = node_sequence_nr(nodes[i])
         r = bisect.bisect_right(starts, s) - 1
         return r if r >= 0 and s < ranges[r][1] else -1
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ._compat import fsdp_param_groups, fsdp_states, unsharded_param
 from ._types import Route
 
 _FSDP_INTERNALS = (
@@ -57,27 +58,15 @@ def _dtensor_type() -> type | None:
 
 def _fsdp_params() -> dict[int, Any] | None:
     """``id(sharded parameter) -> FSDPParam`` for every live FSDP2 state; None if the internals are missing."""
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:
+    states = fsdp_states()
+    if states is None:
         return None
     out: dict[int, Any] = {}
-    for ref in list(_module_state_mapping.values()):
-        state = ref()
-        if isinstance(state, FSDPState):
-            for group in _param_groups(state):
-                for fp in group.fsdp_params:
-                    out[id(fp.sharded_param)] = fp
+    for _, state in states:
+        for group in fsdp_param_groups(state):
+            for fp in group.fsdp_params:
+                out[id(fp.sharded_param)] = fp
     return out
-
-
-def _param_groups(state: Any) -> list[Any]:
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.10 has one group per state
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
 
 
 def live_params(params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -102,9 +91,9 @@ def live_params(params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if fp is None:
             out.append(p)
             continue
-        unsharded = getattr(fp, "_unsharded_param", None)
+        unsharded = unsharded_param(fp)
         # before the first forward there is no unsharded parameter yet (and no graph that could reach it)
-        out.append(unsharded if isinstance(unsharded, torch.Tensor) else p)
+        out.append(unsharded if unsharded is not None else p)
     return tuple(out)
 
 
@@ -148,20 +137,13 @@ def find_ddp(params: Iterable[torch.Tensor]) -> list[Any]:
 
 def find_fsdp(params: Iterable[torch.Tensor]) -> list[torch.nn.Module]:
     """The FSDP2 modules (``fully_shard``) whose own parameter groups hold any of ``params`` (sharded)."""
-    if _dtensor_type() is None:
-        return []
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:
+    states = fsdp_states() if _dtensor_type() is not None else None
+    if states is None:
         return []
     ids = {id(p) for p in params}
     found: dict[int, torch.nn.Module] = {}
-    for module, ref in list(_module_state_mapping.items()):
-        state = ref()
-        if not isinstance(state, FSDPState):
-            continue
-        if any(id(fp.sharded_param) in ids for g in _param_groups(state) for fp in g.fsdp_params):
+    for module, state in states:
+        if any(id(fp.sharded_param) in ids for g in fsdp_param_groups(state) for fp in g.fsdp_params):
             found[id(module)] = module
     return list(found.values())
 

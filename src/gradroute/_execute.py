@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from ._compat import backward_hooks
 from ._options import PlanOptions
 from ._planner import Program
 from ._session import routed_backward
@@ -234,7 +235,7 @@ def _accumulate(accumulators: list[Node], params: list[torch.Tensor], grads: lis
             if grads[i] is not None:
                 edges.append(GradientEdge(node, 0))
                 grad_outputs.append(handoff.hand_off(node, 0, grads, i))
-                own = params[i]._backward_hooks
+                own = backward_hooks(params[i])
                 if own:
                     hooks.append((own, dict(own)))
                     own.clear()

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from ._compat import saved_attrs
+
 
 @dataclass(eq=False)
 class Graph:
@@ -109,22 +111,6 @@ def _topological(succ: list[list[tuple[int, int]]]) -> list[int]:
             if indeg[j] == 0:
                 ready.append(j)
     return topo
-
-
-_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
-
-
-def saved_attrs(node: Any) -> tuple[str, ...]:
-    """The names of an autograd node's raw saved-tensor attributes (``_raw_saved_*``), cached per node class.
-
-    Reading them (``node._raw_saved_self``) gives the ``SavedVariable`` without unpacking it, so no
-    saved-tensor hook (e.g. a checkpoint's recomputation) runs.
-    """
-    cls = type(node)
-    names = _SAVED_ATTRS.get(cls)
-    if names is None:
-        names = _SAVED_ATTRS[cls] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
-    return names
 
 
 _STATELESS: dict[type, bool] = {}

@@ -13,10 +13,10 @@ import torch
 from . import _checkpoint
 from ._accelerate import adopt_prepared, check_backward, link_accelerator
 from ._autotune import Autotune, Tuner
+from ._compat import saved_items, saved_state
 from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, live_params
 from ._execute import GraphFreedError, execute, freed_message
-from ._graph import saved_attrs
 from ._group import Group, GroupLike
 from ._options import PlanOptions
 from ._planner import Checkpoints, Plan, PlanCache, Program, build
@@ -482,19 +482,17 @@ def _check_graph_alive(nodes: Sequence[Any], names: Sequence[str]) -> None:
     tensor that was never defined (``unpack()`` gives None, no hook runs) or released (``unpack()`` raises).
     """
     for node in nodes:
-        for attr in saved_attrs(node):
-            raw = getattr(node, attr)
-            items = raw if isinstance(raw, (list, tuple)) else (raw,)
-            item = next((x for x in items if x is not None), None)
-            if item is None:
-                continue
-            if item.data is not None or item.unpack_hook is not None:
-                break
-            try:
-                item.unpack()
-            except RuntimeError:
-                losses = ", ".join(f"`{n}`" for n in names)
-                raise GraphFreedError(freed_message(f"a loss routed to {losses}")) from None
+        items = saved_items(node)
+        item = None if items is None else next((x for x in items if x is not None), None)
+        if items is not None and (item is None or saved_state(item) == "live"):
+            continue
+        try:
+            if item is None:  # torch reports the node freed
+                raise RuntimeError
+            item.unpack()
+        except RuntimeError:
+            losses = ", ".join(f"`{n}`" for n in names)
+            raise GraphFreedError(freed_message(f"a loss routed to {losses}")) from None
 
 
 def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:
@@ -510,22 +508,20 @@ def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:
         return
     frontier = [fn]
     seen = {fn}
-    saved = empty = 0
+    freed = 0
     while frontier and len(seen) <= probe:
         node = frontier.pop(0)
-        for attr in saved_attrs(node):
-            raw = getattr(node, attr)
-            for item in raw if isinstance(raw, (list, tuple)) else (raw,):
-                if item is None:
-                    continue
-                saved += 1
-                if item.data is None and item.unpack_hook is None:
-                    empty += 1
-        if saved and empty < saved:
-            return
+        items = saved_items(node)
+        if items is None:  # torch reports it freed
+            raise GraphFreedError(freed_message(label))
+        for item in items:
+            state = "none" if item is None else saved_state(item)
+            if state == "live":
+                return
+            freed += state == "freed"
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
                 frontier.append(nxt)
-    if saved and empty == saved:
+    if freed:
         raise GraphFreedError(freed_message(label))

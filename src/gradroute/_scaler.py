@@ -4,8 +4,8 @@
 optimizer (the record ``unscale_`` left), which stage of its iteration the scaler is in for an optimizer (so a
 step can be refused before anything is touched), and a way to put the scaler back exactly as it was when a
 step fails half-way (``unscale_`` and ``update`` change it in place, and a scaler left with an optimizer in
-stage UNSCALED refuses every later iteration). Everything here goes through :class:`Scaler`; when a torch
-version lacks a private attribute, the adapter falls back to what the public API can tell.
+stage UNSCALED refuses every later iteration). Everything here goes through :class:`Scaler`, and the private attributes themselves
+through ``_compat``; when a torch version lacks one, the adapter falls back to what the public API can tell.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ._compat import found_inf, scale_uninitialised, scaler_states, set_scaler_states
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,8 @@ class Scaler:
     def used_stage(self, optimizer: Any) -> str | None:
         """The name of the stage ``optimizer`` is in this iteration (``"UNSCALED"``, ``"STEPPED"``), or None if
         the scaler has not touched it since its last ``update()``."""
-        states = getattr(self.scaler, "_per_optimizer_states", None)
-        state = states.get(id(optimizer)) if isinstance(states, dict) else None
+        states = scaler_states(self.scaler)
+        state = states.get(id(optimizer)) if states is not None else None
         if not state:
             return None
         stage = state.get("stage")
@@ -57,24 +59,24 @@ class Scaler:
         ``GradScaler._found_inf_per_device`` is what ``scaler.step`` itself sums; without it, the unscaled
         gradients of ``params`` are checked.
         """
-        record = getattr(self.scaler, "_found_inf_per_device", None)
-        if record is not None:
-            return bool(sum(float(v) for v in record(optimizer).values()))
+        skipped = found_inf(self.scaler, optimizer)
+        if skipped is not None:
+            return skipped
         return not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
 
     def ready_on(self, device: torch.device) -> None:
         """Create the scale tensor on ``device`` if the scaler has none yet (a scaler loaded from a state dict
         and stepped before any ``scale()`` call, as on a resume between ``backward`` and ``step``)."""
-        if self.enabled and getattr(self.scaler, "_scale", 0) is None:
+        if self.enabled and scale_uninitialised(self.scaler):
             self.scaler.scale(torch.zeros((), device=device))  # public: initialises the scale lazily
 
     def snapshot(self) -> ScalerSnapshot | None:
         """The scaler's state, to put back with :meth:`restore`; None without an enabled scaler."""
         if not self.enabled:
             return None
-        states = getattr(self.scaler, "_per_optimizer_states", None)
+        states = scaler_states(self.scaler)
         per_optimizer = None
-        if isinstance(states, dict):
+        if states is not None:
             per_optimizer = {
                 k: {
                     "stage": v.get("stage"),
@@ -89,8 +91,8 @@ class Scaler:
         if snap is None:
             return
         self.scaler.load_state_dict(snap.public)
-        states = getattr(self.scaler, "_per_optimizer_states", None)
+        states = scaler_states(self.scaler)
         if snap.per_optimizer is not None and isinstance(states, defaultdict):
             fresh: defaultdict[int, Any] = defaultdict(states.default_factory)
             fresh.update(snap.per_optimizer)
-            self.scaler._per_optimizer_states = fresh
+            set_scaler_states(self.scaler, fresh)

@@ -26,8 +26,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
+from ._compat import current_graph_task_id
 from ._options import PlanOptions
 
 _local = threading.local()
@@ -55,7 +54,7 @@ class Session:
                 self._handles.append(node.register_prehook(self._enter))
 
     def _enter(self, grad_outputs: Any) -> None:
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task != -1 and _by_task.get(task) is not self:
             with _lock:
                 _by_task[task] = self
@@ -77,7 +76,7 @@ def current() -> Session | None:
     session: Session | None = getattr(_local, "session", None)
     if session is not None or not _by_task:
         return session
-    return _by_task.get(torch._C._current_graph_task_id())
+    return _by_task.get(current_graph_task_id())
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import gradroute
-from gradroute import _session
+from gradroute import _compat, _session
 from gradroute._checkpoint import checkpoint_kind
 from gradroute._checkpoint._registry import this_thread
 
@@ -41,7 +41,7 @@ class Block(nn.Module):
         h = nn.functional.dropout(a, self.p, training=True)
         if _session.current() is not None:  # only recomputations run inside a routed backward
             self.recomputed += 1
-        if torch._C._current_graph_task_id() != -1:  # a recomputation: keep an eye on two saved tensors
+        if _compat.current_graph_task_id() != -1:  # a recomputation: keep an eye on two saved tensors
             self.storages += [StorageWeakRef(t.untyped_storage()) for t in (a, h)]
         return x + self.lin2(h)
 
@@ -125,8 +125,11 @@ def counting(ck: CK, counts: dict[str, list[int]]) -> CK:
     """``ck`` that counts, per checkpointed segment, the recomputations run inside a routed backward."""
 
     def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        owner = getattr(fn, "__self__", fn)  # diffusers passes the module, transformers a partial
-        owner = getattr(owner, "args", [owner])[0] if isinstance(owner, functools.partial) else owner
+        # diffusers passes the module, transformers a partial (of the module, or of its bound __call__)
+        owner = fn
+        while isinstance(owner, functools.partial):
+            owner = owner.args[0] if owner.args else owner.func
+        owner = getattr(owner, "__self__", owner)
         side = "unet" if type(owner).__module__.startswith("diffusers") else "tenc"
         slot = len(counts[side])
         counts[side].append(0)
@@ -192,7 +195,7 @@ class GatedFF(nn.Module):
         if self.scale_in_place:
             g.mul_(2.0)  # modified after it was made: a remake would be wrong
         prod = h * torch.sigmoid(g) * g
-        if torch._C._current_graph_task_id() != -1:  # a recomputation
+        if _compat.current_graph_task_id() != -1:  # a recomputation
             self.made += [
                 (n, StorageWeakRef(t.untyped_storage())) for n, t in (("proj", p), ("gelu", g), ("prod", prod))
             ]

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from gradroute import _compat
+
 
 @pytest.fixture
 def no_donated_buffers() -> Iterator[None]:
-    import torch._functorch.config as functorch_config
-
-    with functorch_config.patch(donated_buffer=False):  # routed calls retain (examples/README.md)
+    with _compat.no_donated_buffers():  # routed calls retain (examples/README.md)
         yield

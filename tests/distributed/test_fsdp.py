@@ -7,11 +7,14 @@ the latter (``gradroute._distributed.live_params``) and FSDP2's hooks reduce-sca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import gradroute
+from gradroute import _compat
 from gradroute._distributed import live_params
 from tests._reference import reference_grads
 from tests.distributed._worker import (
@@ -28,12 +31,28 @@ from tests.distributed._worker import (
 
 pytestmark = pytest.mark.distributed
 
+#: FSDP2 runs on the CPU (gloo) from torch 2.6; torch 2.5's needs CUDA streams, which these tests do not have
+FSDP2_ON_CPU = _compat._release(_compat.TORCH_VERSION) >= (2, 6)
+
+
+def launch_fsdp(fn: Callable[[int, int], None]) -> None:
+    """``launch(fn)`` where this torch's FSDP2 runs on the CPU; elsewhere, check that FSDP2 refuses the CPU."""
+    launch(fn if FSDP2_ON_CPU else _refuses_the_cpu)
+
+
+def _refuses_the_cpu(rank: int, world: int) -> None:
+    tenc, unet = nets()
+    forward = shard("per_network", tenc, unet)
+    with pytest.raises(RuntimeError, match=r"FSDP requires CUDA"):
+        forward(batch(0, world, rank)[0])
+
+
 LAYOUTS = ("per_network", "per_layer", "one_root")
 
 
 def shard(layout: str, tenc: torch.nn.Sequential, unet: torch.nn.Sequential) -> torch.nn.Module:
     """Apply ``fully_shard`` as ``layout`` says; return the module to call."""
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = _compat.fully_shard()
 
     if layout in ("per_layer", "one_root"):
         for layer in (tenc[0], tenc[2], unet[0], unet[2]):
@@ -89,7 +108,7 @@ def _head_losses(fwd, lw: torch.nn.Module, x, target, mask) -> dict[str, torch.T
 
 def _loss_head(rank: int, world: int) -> None:
     """A parameter at the loss head: its gradient is captured by a cutting call and delivered afterwards."""
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = _compat.fully_shard()
 
     tenc, unet = nets()
     lw = LossWeight()
@@ -119,7 +138,7 @@ def _reference_local(rank: int, world: int, step: int) -> dict[str, list[torch.T
 
 def test_fsdp2_routed_backward_matches_full_batch_reference() -> None:
     """Sharding per network, per layer and network, under one root around both; ``grads()``; a loss-head weight."""
-    launch(_exact)
+    launch_fsdp(_exact)
 
 
 def _step(rank: int, world: int) -> None:
@@ -173,7 +192,7 @@ def _step(rank: int, world: int) -> None:
 
 def test_fsdp2_accumulation_and_step_match_reference() -> None:
     """``accumulate=2`` with SGD and clipping; FSDP2 communicates only on the last micro-batch of a step."""
-    launch(_step)
+    launch_fsdp(_step)
 
 
 def _amp(rank: int, world: int) -> None:
@@ -198,7 +217,7 @@ def _amp(rank: int, world: int) -> None:
 
 
 def test_fsdp2_amp_inf_in_one_shard_skips_that_group_on_every_rank() -> None:
-    launch(_amp)
+    launch_fsdp(_amp)
 
 
 def test_live_params_of_plain_parameters_is_the_same_tuple() -> None:
@@ -207,7 +226,7 @@ def test_live_params_of_plain_parameters_is_the_same_tuple() -> None:
 
 
 def _checkpointed(rank: int, world: int) -> None:
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = _compat.fully_shard()
 
     # small chunks: several interleaved calls through the segment, each delivering some of the UNet's grads
     options = gradroute.PlanOptions(chunk=6)
@@ -236,4 +255,4 @@ def _checkpointed(rank: int, world: int) -> None:
 def test_fsdp2_checkpointed_segment_matches_full_batch_reference() -> None:
     """``fully_shard`` per network and per block inside a ``gradroute.checkpoint`` segment: the shared
     recomputation unshards, and every shard gets its reduced gradient once (the passes are not interleaved)."""
-    launch(_checkpointed)
+    launch_fsdp(_checkpointed)

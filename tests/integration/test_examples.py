@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import gradroute
+from gradroute import _compat
 from tests._reference import assert_grads_match, reference_grads
 
 CPU = torch.device("cpu")
@@ -580,7 +581,7 @@ def test_compile_router_exact_on_compiled_models(tiny_sd: Path) -> None:
     eager = reference_grads(forward(models), groups)
     # as the example does: no donated buffers, so that a plain backward through the compiled modules may come
     # first (it compiles their backward for single use) and routed passes that retain still work after it
-    with torch._functorch.config.patch(donated_buffer=False):
+    with _compat.no_donated_buffers():
         compiled = sd.Models(
             models.tokenizer,
             torch.compile(models.tenc, backend="aot_eager"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import gradroute
+from gradroute import _compat
 from gradroute.cli.data import make_batch
 from gradroute.cli.models import make_models, route_losses
 from tests._reference import assert_grads_match, reference_grads
@@ -124,8 +125,11 @@ def test_plan_suggests_gradroute_checkpoint_for_torch_checkpointed_shared_segmen
     x = torch.randn(2, 3, dtype=D)
     out = checkpoint(b, a(x), use_reentrant=False)
     plan = gradroute.Router(a=a, b=b).plan(a=out.sum(), b=out.pow(2).sum())
-    assert len(plan.notes) == 1 and "gradroute.checkpoint recomputes each once per backward" in plan.notes[0]
-    assert "note: " in str(plan)
+    if _compat.SAVED_DATA:
+        assert len(plan.notes) == 1 and "gradroute.checkpoint recomputes each once per backward" in plan.notes[0]
+        assert "note: " in str(plan)
+    else:  # torch without SavedTensor.data cannot tell which nodes torch's checkpoint saved (gradroute._compat)
+        assert plan.notes == ()
     out = gradroute.checkpoint(b, a(x))
     notes = gradroute.Router(a=a, b=b, autotune=False).plan(a=out.sum(), b=out.pow(2).sum()).notes
     assert len(notes) == 1 and notes[0].startswith("1 chunk(s) of gradroute.checkpoint segments are shared")

@@ -10,7 +10,7 @@ User guide: docs/checkpointing.md. One mechanism per file:
 - ``_views.py``: per-consumer views of a segment's inputs and outputs, and cut points;
 - ``_registry.py``: which sequence numbers belong to which live segment, per thread;
 - ``_queries.py``: what the planner asks (``segments``, ``held_bytes``, ``checkpoint_kind``);
-- ``_torch_private.py``: every private torch API the package uses.
+- private torch APIs: from ``gradroute._compat``, as everywhere in gradroute.
 """
 
 from ._api import checkpoint, checkpoint_modules, cut_points

@@ -34,10 +34,7 @@ from typing import Any
 
 import torch
 
-from ._frame import Frame, SaveInputs
-from ._hooks import ForwardHooks
-from ._registry import this_thread
-from ._torch_private import (
+from .._compat import (
     device_module,
     get_autocast_kwargs,
     get_device_states,
@@ -47,6 +44,9 @@ from ._torch_private import (
     set_device_states,
     tree_map,
 )
+from ._frame import Frame, SaveInputs
+from ._hooks import ForwardHooks
+from ._registry import this_thread
 from ._views import compiled, consumer_views, plain, view_outputs
 
 _DETERMINISM = ("default", "none")
@@ -176,7 +176,7 @@ def _replayer(
                     set_device_states(devices, device_states, device_type=device_type)
             device_ac = (
                 torch.amp.autocast(device_type=device_type, **device_autocast)
-                if torch.amp.is_autocast_available(device_type)
+                if device_autocast is not None
                 else contextlib.nullcontext()
             )
             with device_ac, torch.amp.autocast("cpu", **cpu_autocast), recompute_context:
@@ -204,7 +204,7 @@ def _run_forward(
     if tensors:
         # the dummy makes the saver an autograd node even when no input requires grad
         dummy = torch.empty(0, requires_grad=True)
-        frame.saver = SaveInputs.apply(dummy, *tensors).grad_fn
+        frame.saver = SaveInputs.apply(dummy, *tensors)
     with ForwardHooks(frame), forward_context:
         out = fn(*args, **kwargs)
     frame.forward_done = True

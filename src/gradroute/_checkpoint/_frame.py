@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from .._compat import CheckpointError
 from ._placeholder import Placeholder, value_version
 from ._remakes import DataKey, Pending, RemakeRecorder, data_key
-from ._torch_private import CheckpointError
 
 
 class _RecomputationComplete(Exception):
@@ -58,11 +58,15 @@ class Frame:
         early_stop: stop the replay once every placeholder has its tensor.
         meta: compare shape, dtype and device of the recomputed tensors with the original ones.
         args, tensor_pos, saver: the segment's positional arguments, tensors replaced by None at
-            ``tensor_pos``, and the ``SaveInputs`` node that holds those tensors.
+            ``tensor_pos``, and the output of ``SaveInputs``, whose node holds those tensors (the output, not
+            the node's Python object: in older torch releases, 2.5 and 2.6 among them, a custom Function's
+            ``grad_fn`` object does not keep its node alive, and the node frees what it saved when its output
+            goes).
         placeholders, metas: what the forward saved (weakly), and its shapes/dtypes/devices.
         counter: recomputation key -> saved tensors filed so far; ``done``: keys recomputed.
         forward_done: the original forward has returned; ``ignore_mismatch``: a backward ran inside it.
-        saved_bytes: what the segment's nodes saved in the forward.
+        saved_bytes: what the segment's nodes saved in the forward; ``saved_by``: the same per saving node,
+            by its sequence number (``held_bytes`` on torch without ``SavedTensor.data``, see ``_queries``).
         compiled: runs torch.compile'd code: no remakes (their dispatch mode would recompile it).
         registry: the segment registry of the thread that ran the forward.
     """
@@ -74,7 +78,7 @@ class Frame:
         self.registry = registry
         self.args: list[Any] = []
         self.tensor_pos: list[int] = []
-        self.saver: Any = None
+        self.saver: torch.Tensor | None = None
         self.placeholders: list[weakref.ref[Placeholder]] = []
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.counter: dict[Any, int] = {}
@@ -82,13 +86,15 @@ class Frame:
         self.forward_done = False
         self.ignore_mismatch = False
         self.saved_bytes = 0
+        self.saved_by: dict[int, list[int]] = {}
         self.compiled = False
 
     def inputs(self) -> list[Any]:
         """The segment's positional arguments, tensors included."""
         args = list(self.args)
         if self.saver is not None:
-            for pos, t in zip(self.tensor_pos, self.saver.saved_tensors, strict=True):
+            saved = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
+            for pos, t in zip(self.tensor_pos, saved, strict=True):
                 args[pos] = t
         return args
 

@@ -29,15 +29,16 @@ from typing import Any
 import torch
 
 from .. import _session
-from ._frame import Frame
-from ._placeholder import REMADE_ON_USE, Placeholder
-from ._torch_private import (
+from .._compat import (
     CheckpointError,
     current_autograd_node,
     current_graph_exec_group,
     current_graph_task_id,
+    next_sequence_nr,
     queue_engine_callback,
 )
+from ._frame import Frame
+from ._placeholder import REMADE_ON_USE, Placeholder
 
 
 class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -47,6 +48,8 @@ class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
         def pack(x: torch.Tensor) -> Placeholder:
             p = Placeholder(x.numel() * x.element_size(), frame.registry)
             frame.saved_bytes += p.nbytes
+            # the node saving x was the last one made in this thread (for torch without SavedTensor.data)
+            frame.saved_by.setdefault(next_sequence_nr() - 1, []).append(p.nbytes)
             frame.placeholders.append(weakref.ref(p))
             if frame.meta:
                 frame.metas.append((x.shape, x.dtype, x.device))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._torch_private import CheckpointError, no_autocast, version
+from .._compat import CheckpointError, no_autocast, version
 
 # NOTE [Placeholder values]
 # A segment's nodes save a Placeholder instead of each tensor (the pack hook of the original forward). The

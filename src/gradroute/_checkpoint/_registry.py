@@ -20,7 +20,9 @@ that plans it (the router's case: forward and backward in one thread). If one gr
 several threads recorded and their ranges overlap, sequence numbers cannot tell them apart: ``segments``
 then reports none, and the planner plans as for a graph without segments (exact; each shared segment still
 recomputed once per routed backward, not interleaved chunk by chunk). A registry is an object, not the
-thread's ident: idents are reused when a thread ends, while its segments may live on.
+thread's ident: idents are reused when a thread ends, while its segments may live on. A torch without
+``SavedTensor.data`` (see ``gradroute._compat``) does not show what a node saved: ``segments(nodes)`` then
+answers with the calling thread's registry while no other thread has live segments, and with none otherwise.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class SegmentRegistry:
 
 
 _local = threading.local()
+_all: weakref.WeakSet[SegmentRegistry] = weakref.WeakSet()  # every thread's, while its segments may live
 
 
 def this_thread() -> SegmentRegistry:
@@ -86,7 +89,14 @@ def this_thread() -> SegmentRegistry:
     registry: SegmentRegistry | None = getattr(_local, "registry", None)
     if registry is None:
         registry = _local.registry = SegmentRegistry()
+        _all.add(registry)
     return registry
+
+
+def others_have_segments() -> bool:
+    """Whether another thread's registry holds live segments."""
+    mine = this_thread()
+    return any(r is not mine and r.ranges() for r in list(_all))
 
 
 def merged_ranges(registries: Iterable[SegmentRegistry]) -> list[tuple[int, int]]:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from .._compat import StorageWeakRef, TorchDispatchMode, op_schema, storage_id, version
 from ._placeholder import Placeholder, Remake, map_args
-from ._torch_private import StorageWeakRef, TorchDispatchMode, op_schema, storage_id, version
 
 #: cheap ops in a row a remake may chain
 _MAX_CHAIN = 4

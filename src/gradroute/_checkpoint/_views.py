@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._torch_private import disable_torch_function_subclass, is_optimized_module, tree_map
+from .._compat import disable_torch_function_subclass, is_optimized_module, tree_map
 
 
 class SegmentTensor(torch.Tensor):

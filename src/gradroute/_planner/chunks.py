@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from .._compat import node_sequence_nr
 from .._graph import Graph, stateless
 from .masks import several
 
@@ -44,7 +45,7 @@ def chunk_shared_segments(
     shared: set[int] = set()
     for i, nd in enumerate(needed_by):
         if nd:
-            s = seq[i] = nodes[i]._sequence_nr()
+            s = seq[i] = node_sequence_nr(nodes[i])
             r = segment_of(s, ranges, starts)
             if r >= 0:
                 of[i] = r

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._compat import node_sequence_nr
 from .._graph import Graph
 from .chunks import segment_of
 
@@ -56,7 +57,7 @@ def recompute_per_call(
     members: dict[int, dict[int, int]] = {}  # segment -> node -> its last call
     for t, mem in enumerate(call_members):
         for i in mem:
-            r = segment_of(g.nodes[i]._sequence_nr(), ranges, starts)
+            r = segment_of(node_sequence_nr(g.nodes[i]), ranges, starts)
             if r >= 0:
                 first.setdefault(r, t)
                 members.setdefault(r, {})[i] = t

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .._compat import node_sequence_nr
 from .._graph import Graph, stateless
 from .stage import PassStages
 
@@ -78,6 +79,6 @@ def _recency(
 
 def _sequence_nr(g: Graph, i: int) -> int:
     try:
-        return int(g.nodes[i]._sequence_nr())
+        return node_sequence_nr(g.nodes[i])
     except (AttributeError, RuntimeError):
         return -1

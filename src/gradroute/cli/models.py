@@ -229,7 +229,11 @@ def make_models(seed: int = 0, width: int = 32) -> tuple[TinyTextEncoder, TinyUN
 
 def route_losses(pred: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_tenc, loss_unet)`` from the UNet's noise prediction: unmasked and masked mean squared error."""
-    loss = F.mse_loss(pred.float(), batch["noise"], reduction="none")
+    noise = batch["noise"]
+    # the prediction in float32 (half precision under autocast), promoted with the noise explicitly: torch
+    # 2.5's mse_loss backward fails on a float32 prediction against float64 noise
+    dtype = torch.promote_types(torch.float32, noise.dtype)
+    loss = F.mse_loss(pred.float().to(dtype), noise.to(dtype), reduction="none")
     return loss.mean(), (loss * batch["masks"]).mean()
 
 

@@ -25,9 +25,11 @@ Everything that prints or writes is behind ``is_main`` (rank 0 in a distributed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,13 +146,25 @@ def _router(
     return gradroute.Router(tenc=group("tenc", tenc), unet=group("unet", unet), scaler=scaler), scaler
 
 
+@contextlib.contextmanager
+def _no_mha_fastpath() -> Iterator[None]:
+    """``nn.TransformerEncoderLayer``'s fused inference path off: torch 2.5's ignores CPU autocast (it fails with
+    "mat1 and mat2 must have the same dtype")."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
 def _held_out_losses(
     tenc: torch.nn.Module, unet: torch.nn.Module, batch: dict[str, Any], dev: torch.device, dtype: str
 ) -> dict[str, float]:
     """Both losses on the held-out batch, in eval mode, without grad."""
     tenc.eval()
     unet.eval()
-    with torch.no_grad(), autocast(dev, dtype):
+    with torch.no_grad(), autocast(dev, dtype), _no_mha_fastpath():
         lt, lu = forward_losses(tenc, unet, batch)
     tenc.train()
     unet.train()

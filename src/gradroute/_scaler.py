@@ -4,8 +4,9 @@
 optimizer (the record ``unscale_`` left), which stage of its iteration the scaler is in for an optimizer (so a
 step can be refused before anything is touched), and a way to put the scaler back exactly as it was when a
 step fails half-way (``unscale_`` and ``update`` change it in place, and a scaler left with an optimizer in
-stage UNSCALED refuses every later iteration). Everything here goes through :class:`Scaler`, and the private attributes themselves
-through ``_compat``; when a torch version lacks one, the adapter falls back to what the public API can tell.
+stage UNSCALED refuses every later iteration). Everything here goes through :class:`Scaler`, and the private
+attributes themselves through ``_compat``; when a torch version lacks one, the adapter falls back to what the
+public API can tell.
 """
 
 from __future__ import annotations

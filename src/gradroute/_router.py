@@ -13,7 +13,7 @@ import torch
 from . import _checkpoint
 from ._accelerate import adopt_prepared, check_backward, link_accelerator
 from ._autotune import Autotune, Tuner
-from ._compat import saved_items, saved_state
+from ._compat import SAVED_DATA, saved_items, saved_state
 from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, live_params
 from ._execute import GraphFreedError, execute, freed_message
@@ -484,15 +484,21 @@ def _check_graph_alive(nodes: Sequence[Any], names: Sequence[str]) -> None:
     for node in nodes:
         items = saved_items(node)
         item = None if items is None else next((x for x in items if x is not None), None)
-        if items is not None and (item is None or saved_state(item) == "live"):
+        state = "freed" if items is None else "none" if item is None else saved_state(item)
+        if state != "freed" or (SAVED_DATA and _defined_none(item)):
             continue
-        try:
-            if item is None:  # torch reports the node freed
-                raise RuntimeError
-            item.unpack()
-        except RuntimeError:
-            losses = ", ".join(f"`{n}`" for n in names)
-            raise GraphFreedError(freed_message(f"a loss routed to {losses}")) from None
+        losses = ", ".join(f"`{n}`" for n in names)
+        raise GraphFreedError(freed_message(f"a loss routed to {losses}"))
+
+
+def _defined_none(item: Any) -> bool:
+    """Whether an empty saved tensor is an optional tensor never defined (``unpack()`` gives None) rather than
+    one a backward released (``unpack()`` raises): ``SavedTensor.data`` tells the two apart only so."""
+    try:
+        item.unpack()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:

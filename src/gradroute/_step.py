@@ -74,6 +74,17 @@ class GroupStats:
         skip_reason: why it was skipped: ``"nonfinite"`` (inf/NaN gradients; without a scaler only with
             ``Router(skip_nonfinite=True)``, the default) or ``"no_grad"`` (no loss reached the group since
             the last step); ``None`` when not skipped.
+
+    Example:
+        >>> import torch, gradroute
+        >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        >>> sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
+        >>> router = gradroute.Router(a=gradroute.Group(a, optimizer=sgd(a)), b=gradroute.Group(b, optimizer=sgd(b)))
+        >>> out = b(a(torch.ones(1, 2)))
+        >>> router.backward(a=out.sum() * float("nan"), b=out.pow(2).sum())
+        >>> stats = router.step()
+        >>> stats["a"].skipped, stats["a"].skip_reason, stats["b"].skipped, stats["b"].lr
+        (True, 'nonfinite', False, 0.1)
     """
 
     loss: float | None

@@ -41,8 +41,7 @@ from typing import Any
 
 import torch
 
-from ._compat import node_sequence_nr
-from ._graph import saved_attrs
+from ._compat import SAVED_DATA, node_sequence_nr, saved_data, saved_items
 from ._options import PlanOptions
 from ._planner import Checkpoints, Program
 from ._types import Route
@@ -401,20 +400,15 @@ def _resident(program: Program, routes: Sequence[Route]) -> int:
     seen = {p.untyped_storage().data_ptr() for p in params.values()}
     storages: dict[int, int] = {}
     for node in program.graph.nodes:
-        for attr in saved_attrs(node):
-            try:
-                raw = getattr(node, attr)
-            except RuntimeError:  # freed
-                continue
-            for item in raw if isinstance(raw, (list, tuple)) else (raw,):
-                # what was saved, unpacked without hooks (private: SavedTensor.data; a checkpoint's placeholder
-                # for a tensor it will recompute is not a tensor)
-                data = getattr(item, "data", None)
-                if isinstance(data, torch.Tensor) and data.device.type != "meta":
-                    storage = data.untyped_storage()
-                    key = storage.data_ptr()
-                    if key and key not in seen:
-                        storages[key] = max(storages.get(key, 0), storage.nbytes())
+        for item in saved_items(node) or ():
+            # what was saved, without running hooks (a checkpoint's placeholder for a tensor it will recompute
+            # is not a tensor; a torch without SavedTensor.data shows nothing: the estimate is lower there)
+            data = saved_data(item) if SAVED_DATA and item is not None else None
+            if isinstance(data, torch.Tensor) and data.device.type != "meta":
+                storage = data.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in seen:
+                    storages[key] = max(storages.get(key, 0), storage.nbytes())
     return total + sum(storages.values())
 
 

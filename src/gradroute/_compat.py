@@ -25,6 +25,8 @@ API                                         releases      without it
 ``torch._C._get_graph_exec_group``          [1]_          no ``GraphExecGroup`` can be in effect: keyed by the
                                                           engine's graph task, as torch's checkpoint then did
 ``torch._C._DisableAutocast``               all           -
+``torch.autograd.graph._engine_run_backward``  all        ``torch.autograd.backward``/``grad`` (their checks,
+                                                          repeated per engine call)
 ``Variable._execution_engine``              all           -
 ``.queue_callback``
 ``torch.utils.checkpoint`` internals:       all           -
@@ -97,6 +99,7 @@ __all__ = [
     "current_graph_task_id",
     "device_module",
     "disable_torch_function_subclass",
+    "engine_run_backward",
     "found_inf",
     "fsdp_param_groups",
     "fsdp_states",
@@ -191,7 +194,7 @@ def saved_data(item: Any) -> Any:
     if not SAVED_DATA:
         raise RuntimeError(
             f"torch {TORCH_VERSION} does not expose what a saved-tensor hook packed (SavedTensor.data, "
-            "torch 2.X and later); gradroute uses its fallback (internal error, please report)"
+            "newer torch releases); gradroute uses its fallback (internal error, please report)"
         )
     return item.data
 
@@ -235,6 +238,11 @@ def _probe_unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- autograd engine
+
+
+#: ``torch.autograd.backward``'s and ``torch.autograd.grad``'s own entry into the engine, without their argument
+#: checks (the executor calls the engine once per planned call), or None
+engine_run_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def next_sequence_nr() -> int:

@@ -8,13 +8,10 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from ._compat import backward_hooks
+from ._compat import backward_hooks, engine_run_backward
 from ._options import PlanOptions
 from ._planner import Program
 from ._session import routed_backward
-
-# torch.autograd.backward's and torch.autograd.grad's own entry into the engine (private; see run_engine)
-_ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 _FREED = "backward through the graph a second time"
 
@@ -188,8 +185,8 @@ def run_engine(
     functions' argument checks (about 45 us of Python per call, most of a host-bound call's own cost) are
     skipped. A torch without that entry gets the public functions.
     """
-    if _ENGINE_RUN_BACKWARD is not None:
-        return _ENGINE_RUN_BACKWARD(
+    if engine_run_backward is not None:
+        return engine_run_backward(
             tuple(outputs), tuple(seeds), retain, False, tuple(inputs), True, accumulate_grad=accumulate
         )
     if accumulate:

@@ -187,15 +187,8 @@ def test_cut_gradient_held_for_a_later_call_does_not_keep_a_larger_buffer(
 
 
 @pytest.mark.parametrize("method", ["backward", "grads"])
-@pytest.mark.parametrize("entry", ["engine entry", "public functions"])
-def test_exact_through_the_engine_entry_and_through_the_public_functions(
-    entry: str, method: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # the executor calls the engine's entry directly; a torch without it gets torch.autograd.backward/grad
-    from gradroute import _execute
-
-    if entry == "public functions":
-        monkeypatch.setattr(_execute, "_ENGINE_RUN_BACKWARD", None)
+def test_exact_through_the_engine_entry(method: str) -> None:
+    # the executor calls the engine's entry directly, in calls that cut and accumulate too
     tenc, unet, x, target, mask = make()
 
     def forward() -> dict[str, torch.Tensor]:
@@ -207,3 +200,33 @@ def test_exact_through_the_engine_entry_and_through_the_public_functions(
     params = [*tenc.parameters(), *unet.parameters()]
     route_into_grad(router, method, forward(), params)
     assert_grads_match(params, expected)
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+@pytest.mark.parametrize("entry", ["engine entry", "public functions"])
+def test_run_engine_matches_torch_with_and_without_the_engine_entry(entry: str, accumulate: bool) -> None:
+    # a torch without the engine's entry gets torch.autograd.backward/grad: both give torch's gradients
+    from gradroute._compat import engine_run_backward
+    from gradroute._execute import run_engine
+
+    w1 = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, dtype=torch.float64)
+
+    def loss() -> torch.Tensor:
+        return (torch.tanh(x @ w1) @ w2).pow(2).sum()
+
+    expected = torch.autograd.grad(loss(), [w1, w2])
+    out = loss()
+    got = run_engine(
+        [out],
+        [torch.ones_like(out)],
+        False,
+        [w1, w2],
+        accumulate=accumulate,
+        entry=engine_run_backward if entry == "engine entry" else None,
+    )
+    if accumulate:  # written into .grad
+        got = (w1.grad, w2.grad)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)

@@ -177,18 +177,17 @@ def run_engine(
     inputs: Sequence[torch.Tensor | GradientEdge],
     *,
     accumulate: bool,
+    entry: Any = engine_run_backward,
 ) -> tuple[torch.Tensor | None, ...]:
     """One engine call: ``torch.autograd.backward(outputs, seeds, retain_graph=retain, inputs=inputs)`` with
     ``accumulate``, else ``torch.autograd.grad(outputs, inputs, seeds, retain_graph=retain, allow_unused=True)``.
 
     Straight into the engine: the seeds are made here with the right shapes and dtypes, so the public
     functions' argument checks (about 45 us of Python per call, most of a host-bound call's own cost) are
-    skipped. A torch without that entry gets the public functions.
+    skipped. A torch without that entry (``entry`` None) gets the public functions.
     """
-    if engine_run_backward is not None:
-        return engine_run_backward(
-            tuple(outputs), tuple(seeds), retain, False, tuple(inputs), True, accumulate_grad=accumulate
-        )
+    if entry is not None:
+        return entry(tuple(outputs), tuple(seeds), retain, False, tuple(inputs), True, accumulate_grad=accumulate)
     if accumulate:
         torch.autograd.backward(outputs, seeds, retain_graph=retain, inputs=inputs or None)  # type: ignore[arg-type]
         return ()

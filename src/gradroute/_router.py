@@ -183,12 +183,7 @@ class Router:
         check_backward(self._accelerator, self._stepper.accumulate)
         routes = self._routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(routes)
-        with _collector_paused():
-            program = self._program(routes, merge_shared=True)
-            _check_graph_alive(program.graph.nodes, [r.name for r in routes])
-            with self._trial():
-                execute(program, accumulate=True, remake_min_bytes=program.options.remake_min_bytes)
-            del program
+        self._route(routes, accumulate=True)
         self._stepper.after_backward(routes)
 
     def grads(
@@ -201,12 +196,7 @@ class Router:
             parameter the loss does not reach). No scaling is applied.
         """
         routes = self._routes(losses, named_losses, "grads")
-        with _collector_paused():
-            program = self._program(routes, merge_shared=False)
-            _check_graph_alive(program.graph.nodes, [r.name for r in routes])
-            with self._trial():
-                collected = execute(program, accumulate=False, remake_min_bytes=program.options.remake_min_bytes)
-            del program
+        collected = self._route(routes, accumulate=False)
         return {r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)}
 
     def plan(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> Plan:
@@ -321,6 +311,17 @@ class Router:
         return f"Router({', '.join(parts)})"
 
     # ------------------------------------------------------------------ internals
+
+    def _route(self, routes: list[Route], *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
+        """Plan and run ``routes`` (:meth:`backward` accumulates and merges shared routes; :meth:`grads` collects
+        each route's own gradients); every loss's graph is checked before the first engine call."""
+        with _collector_paused():
+            program = self._program(routes, merge_shared=accumulate)
+            _check_graph_alive(program.graph.nodes, [r.name for r in routes])
+            with self._trial():
+                out = execute(program, accumulate=accumulate, remake_min_bytes=program.options.remake_min_bytes)
+            del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
+        return out
 
     def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
         given = _merge_named(losses, named, "losses", "loss for group", "group name -> loss", what)

@@ -9,6 +9,7 @@ overlapping calls, whose pending callbacks grew by one on every later plain back
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import sys
 import threading
@@ -72,22 +73,27 @@ def _plain_backward(segment: _Counted) -> int:
 
 def test_concurrent_routed_backwards_and_plain_backwards_leave_nothing_behind() -> None:
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # switch threads often, so that the calls overlap
+    sys.setswitchinterval(1e-4)  # switch threads often, so that the calls overlap
     try:
         errors: list[BaseException] = []
         counts = [[0], [0]]
         until = time.monotonic() + 1.5
-        threads = [threading.Thread(target=_train, args=(s, until, errors, counts[s])) for s in (0, 1)]
+        threads = [threading.Thread(target=_train, args=(s, until, errors, counts[s]), daemon=True) for s in (0, 1)]
         segment = _Counted(nn.Linear(6, 6).to(D))
         for t in threads:
             t.start()
         plain = []
-        while any(t.is_alive() for t in threads):
+        give_up = time.monotonic() + 120  # a hung thread fails the test (with every thread's stack), never the run
+        while any(t.is_alive() for t in threads) and time.monotonic() < give_up:
             plain.append(_plain_backward(segment))
         for t in threads:
-            t.join()
+            t.join(timeout=max(0.0, give_up - time.monotonic()))
+        hung = [t for t in threads if t.is_alive()]
+        if hung:
+            faulthandler.dump_traceback(all_threads=True)
     finally:
         sys.setswitchinterval(interval)
+    assert not hung, f"{len(hung)} training thread(s) still running after 120 s (stacks above)"
     assert not errors, errors[0]
     assert all(c[0] >= 20 for c in counts)
     assert set(plain) == {2}

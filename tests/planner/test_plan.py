@@ -146,6 +146,17 @@ def test_reentrant_checkpoint_fails_clearly():
     assert all(p.grad is None for p in [*a.parameters(), *b.parameters()])
 
 
+def test_plan_with_no_call_prints():
+    # the only loss reaches none of its group's parameters (allowed): the plan has no engine call
+    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
+    loss = b(torch.randn(2, 3, dtype=D)).pow(2).mean()
+    plan = gradroute.Router(a=a, b=b, allow_unreached=True).plan(a=loss)
+    assert plan.calls == ()
+    lines = str(plan).splitlines()
+    assert lines[0].startswith("gradroute plan: 1 routed loss(es), 0 pass(es), 0 engine call(s), ")
+    assert ["#", "pass", "retain", "starts", "from", "edges", "out", "params", "nodes"] in [ln.split() for ln in lines]
+
+
 def test_plan_shows_leaks_into_groups_the_call_does_not_name():
     actor, critic = torch.nn.Linear(3, 2).to(D), torch.nn.Linear(5, 1).to(D)
     s = torch.randn(4, 3, dtype=D)

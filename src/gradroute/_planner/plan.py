@@ -193,7 +193,7 @@ class Plan:
                     str(c.nodes),
                 )
             )
-        widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(header)]
+        widths = [max([len(h), *(len(r[k]) for r in rows)]) for k, h in enumerate(header)]  # no rows: no call
         lines = ["  " + "  ".join(h.ljust(w) for h, w in zip(header, widths))]
         for r in rows:
             lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from .._graph import Graph
-from .numbering import at_or_after, at_or_before
+from .numbering import Stage, at_or_after, at_or_before
 
 # NOTE [Why a cut can be unclean]
 # The engine executes every node on a path from a call's starting edges to its captured edges and targets.
@@ -15,48 +15,25 @@ from .numbering import at_or_after, at_or_before
 # whose target the call does not need.
 
 
-def find_conflict(g: Graph, stage: Mapping[int, int], targets: Collection[int]) -> tuple[int, int, int] | None:
+def find_conflict(g: Graph, stage: Mapping[int, Stage], targets: Collection[int]) -> tuple[Stage, Stage, int] | None:
     """``(s, t, j)``: the call of stage ``s`` captures or accumulates node ``j`` and would also execute a node of
     the later stage ``t`` that feeds ``j``; None when every call executes exactly its own nodes.
 
     ``targets``: the leaves the pass accumulates into.
     """
-    succ = g.succ
-    reach_from: dict[int, int] = {}  # node -> mask of stages that reach it
-    sink_of: dict[int, int] = {}  # node -> mask of stages that capture into it or accumulate it
-    for i in g.topo:
-        s = stage.get(i)
-        if s is None:
-            continue
-        m = reach_from.get(i, 0) | (1 << s)
-        for j, _ in succ[i]:
-            if j in targets:
-                sink_of[j] = sink_of.get(j, 0) | (1 << s)
-                reach_from[j] = reach_from.get(j, 0) | m
-            elif j in stage:
-                reach_from[j] = reach_from.get(j, 0) | m
-                if stage[j] > s:
-                    sink_of[j] = sink_of.get(j, 0) | (1 << s)
-    for p, s_p in stage.items():
-        earlier = reach_from.get(p, 0) & ((1 << s_p) - 1)  # earlier stages that reach p
-        if not earlier:
-            continue
-        for j, _ in succ[p]:
-            both = sink_of.get(j, 0) & earlier
-            if both:
-                return (both & -both).bit_length() - 1, s_p, j
-    return None
+    found = _conflict(g, {i: s.number for i, s in stage.items()}, targets)
+    return None if found is None else (_with_number(stage, found[0]), stage[found[1]], found[2])
 
 
 def resolve(
     g: Graph,
-    numbered: Mapping[int, int],
+    numbered: Mapping[int, Stage],
     targets: Collection[int],
     retained: Mapping[int, bool],
     stateless: Collection[int],
     *,
     move: bool,
-) -> dict[int, int]:
+) -> dict[int, Stage]:
     """Resolve every conflict (see :func:`find_conflict`) at a node ``j`` that stage ``s`` captures.
 
     With ``move``, the stage-``s`` nodes whose only successor in the pass is ``j`` move to ``j``'s stage: their
@@ -65,28 +42,68 @@ def resolve(
     one merge into one call, retaining if any of its nodes must.
     """
     stage = dict(numbered)
-    while (conflict := find_conflict(g, stage, targets)) is not None:
-        s, t, j = conflict
-        if not (move and j in stage and _move_into(g, stage, s, j, targets, retained, stateless)):
-            # (a parameter j has no stage: merge)
+    at = {i: v.number for i, v in stage.items()}  # kept in step with ``stage``, for _conflict
+    while (conflict := _conflict(g, at, targets)) is not None:
+        s, t, j = _with_number(stage, conflict[0]), stage[conflict[1]], conflict[2]
+        moved = _move_into(g, stage, s, j, targets, retained, stateless) if move and j in stage else []
+        if moved:
+            at.update((u, stage[u].number) for u in moved)
+        else:  # (a parameter j has no stage: merge)
             retain = any(retained[i] for i, v in stage.items() if s <= v <= t and i not in stateless)
             merged = at_or_after(s, retain)
             stage = {i: merged if s <= v <= t else v for i, v in stage.items()}
+            at = {i: v.number for i, v in stage.items()}
     return stage
+
+
+def _conflict(g: Graph, at: Mapping[int, int], targets: Collection[int]) -> tuple[int, int, int] | None:
+    """:func:`find_conflict` on stage numbers (``at``: node -> its stage's number), as ``(the number of s, a node
+    of t, j)``. Plain ints: this walks the whole pass once per conflict."""
+    succ = g.succ
+    # sets of stages as bit masks, bit ``s.number`` for stage ``s``
+    reach_from: dict[int, int] = {}  # node -> mask of stages that reach it
+    sink_of: dict[int, int] = {}  # node -> mask of stages that capture into it or accumulate it
+    for i in g.topo:
+        s = at.get(i)
+        if s is None:
+            continue
+        m = reach_from.get(i, 0) | (1 << s)
+        for j, _ in succ[i]:
+            if j in targets:
+                sink_of[j] = sink_of.get(j, 0) | (1 << s)
+                reach_from[j] = reach_from.get(j, 0) | m
+            elif j in at:
+                reach_from[j] = reach_from.get(j, 0) | m
+                if at[j] > s:
+                    sink_of[j] = sink_of.get(j, 0) | (1 << s)
+    for p, s_p in at.items():
+        earlier = reach_from.get(p, 0) & ((1 << s_p) - 1)  # earlier stages that reach p
+        if not earlier:
+            continue
+        for j, _ in succ[p]:
+            both = sink_of.get(j, 0) & earlier
+            if both:
+                return (both & -both).bit_length() - 1, p, j
+    return None
+
+
+def _with_number(stage: Mapping[int, Stage], number: int) -> Stage:
+    """The stage numbered ``number`` (some node has it)."""
+    return next(v for v in stage.values() if v.number == number)
 
 
 def _move_into(
     g: Graph,
-    stage: dict[int, int],
-    s: int,
+    stage: dict[int, Stage],
+    s: Stage,
     j: int,
     targets: Collection[int],
     retained: Mapping[int, bool],
     stateless: Collection[int],
-) -> bool:
-    """Move the stage-``s`` nodes whose only successor in the pass is ``j`` to ``j``'s stage (in place);
-    whether any moved."""
-    changed = False
+) -> list[int]:
+    """Move the stage-``s`` nodes whose only successor in the pass is ``j`` to ``j``'s stage (in place); the
+    nodes moved."""
+    moved = []
     for u, s_u in list(stage.items()):
         if s_u != s:
             continue
@@ -95,5 +112,5 @@ def _move_into(
             later = stage[j] if u in stateless else at_or_before(stage[j], retained[u])
             if later > s_u:
                 stage[u] = later
-                changed = True
-    return changed
+                moved.append(u)
+    return moved

@@ -9,7 +9,7 @@ from .._graph import Graph, stateless
 from .conflicts import resolve
 from .masks import bits
 from .needs import Needs
-from .numbering import chunk_start, fold_stateless_stages, number_stages, retains
+from .numbering import FIRST, Stage, chunk_start, fold_stateless_stages, ladder, number_stages
 from .plan import Call, Wiring
 
 
@@ -57,7 +57,8 @@ def stage_pass(g: Graph, p: PassInputs, need: Needs, last: Sequence[int], chunk_
     bit = 1 << p.index
     members = [i for i in g.topo if need.needed_by[i] & bit]
     stage, kept = _number(g, p.index, members, need, last, chunk_of)
-    n_stages = max(stage.values(), default=0) + 1
+    stages = ladder(max(stage.values(), default=FIRST))
+    n_stages = len(stages)
     losses: list[list[tuple[int, int]]] = [[] for _ in range(n_stages)]
     targets: list[set[int]] = [set() for _ in range(n_stages)]
     for r in bits(p.routes):
@@ -66,22 +67,23 @@ def stage_pass(g: Graph, p: PassInputs, need: Needs, last: Sequence[int], chunk_
                 losses[0].append((r, pos))
                 targets[0].add(i)
             elif i in stage:  # a loss term that reaches none of the pass's parameters is left out
-                losses[stage[i]].append((r, pos))
+                losses[stage[i].number].append((r, pos))
     edges_out: list[dict[tuple[int, int], None]] = [{} for _ in range(n_stages)]
     edges_in: list[dict[tuple[int, int], None]] = [{} for _ in range(n_stages)]
     members_of: list[list[int]] = [[] for _ in range(n_stages)]
     succ, needed_by, pass_targets = g.succ, need.needed_by, need.targets
-    for i, s in stage.items():
+    for i, at in stage.items():
+        s = at.number
         members_of[s].append(i)
         for j, nr in succ[i]:
             if pass_targets.get(j, 0) & bit:
                 targets[s].add(j)
-            elif needed_by[j] & bit and stage[j] > s:
+            elif needed_by[j] & bit and stage[j] > at:
                 edges_out[s][j, nr] = None
-                edges_in[stage[j]][j, nr] = None
+                edges_in[stage[j].number][j, nr] = None
     calls: list[Call] = []
     kept_members: list[tuple[int, ...]] = []
-    for s in range(n_stages):
+    for s, at in enumerate(stages):
         if n_stages > 1 and not members_of[s] and not losses[s] and not targets[s]:
             continue
         ids = tuple(sorted(targets[s]))
@@ -93,15 +95,15 @@ def stage_pass(g: Graph, p: PassInputs, need: Needs, last: Sequence[int], chunk_
             targets=ids,
             target_routes=tuple(_first_bit(p.owners[j] & p.routes) for j in ids),
         )
-        calls.append(Call.make(0, p.groups, retains(s), len(members_of[s]), wiring))
+        calls.append(Call.make(0, p.groups, at.retain, len(members_of[s]), wiring))
         kept_members.append(tuple(members_of[s]))
     return PassStages(calls=tuple(calls), members=tuple(kept_members), kept=kept)
 
 
 def _number(
     g: Graph, k: int, members: list[int], need: Needs, last: Sequence[int], chunk_of: Mapping[int, int]
-) -> tuple[dict[int, int], int]:
-    """The stage number of every node of pass ``k``, and how many nodes retain at their last use.
+) -> tuple[dict[int, Stage], int]:
+    """The stage of every node of pass ``k``, and how many nodes retain at their last use.
 
     Cut per shared checkpoint chunk (if any), as late as possible (deferred parts stay together, like a hand
     cut at the frontier), or as early as possible; resolve the unclean cuts (see :func:`~.conflicts.resolve`).
@@ -110,19 +112,20 @@ def _number(
     retained = {i: last[i] != k for i in members}
     # stateless nodes (views, adds...) may run in a retaining call at their last use: it keeps nothing alive
     free = {i for i in members if stateless(g.nodes[i])}
-    lower = {i: chunk_start(chunk_of[i]) for i in members if i in chunk_of}
+    starts = {c: chunk_start(c) for c in set(chunk_of.values())}
+    lower = {i: starts[chunk_of[i]] for i in members if i in chunk_of}
     if not lower and not any(retained.values()):
-        return {i: 0 for i in members}, 0
+        return {i: FIRST for i in members}, 0
     needed = set(members)
     targets = {j for j, m in need.targets.items() if m & (1 << k)}
-    best: tuple[int, dict[int, int]] | None = None
+    best: tuple[int, dict[int, Stage]] | None = None
     for how in ("chunks", "late", "early") if lower else ("late", "early"):
         numbered = number_stages(
             g, members, retained, free, needed, late=how == "late", lower=lower if how == "chunks" else {}
         )
         numbered = fold_stateless_stages(numbered, free)
         numbered = resolve(g, numbered, targets, retained, free, move=how == "chunks")
-        n_kept = sum(1 for i, v in numbered.items() if retains(v) and not retained[i] and i not in free)
+        n_kept = sum(1 for i, v in numbered.items() if v.retain and not retained[i] and i not in free)
         if best is None or n_kept < best[0]:
             best = (n_kept, numbered)
         if n_kept == 0:

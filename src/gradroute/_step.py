@@ -265,25 +265,33 @@ class Stepper:
     def _real_step(self, active: dict[str, Group], undo: Rollback) -> tuple[dict[str, GroupStats], float | None]:
         """Unscale, hooks, norms and clipping, optimizers, one scaler update, schedulers; each change preceded
         by its copy in ``undo``. Nothing here touches the counters or zeroes a gradient."""
-        scaling = self._scaling
-        scale = float(self.scaler.get_scale()) if scaling else None
+        scale = float(self.scaler.get_scale()) if self._scaling else None
         undo.grads(active.values())
-        # 1. Unscale every optimizer once, all gradients being in. Record what GradScaler found.
+        found_inf = self._unscale(active)
+        _run_grad_hooks(active)
+        # Norm of the unscaled gradients; a non-finite one skips the group; clip the others.
+        norms = {name: self._norm_and_clip(g, found_inf, name) for name, g in active.items()}
+        lrs = {name: _lrs(g) for name, g in self.groups.items()}  # the learning rates this step uses
+        self._step_optimizers(active, found_inf, undo)
+        _step_schedulers(active, found_inf, undo)
+        return self._window_stats(active, found_inf, norms, lrs), scale
+
+    def _unscale(self, active: dict[str, Group]) -> dict[str, bool]:
+        """Unscale every optimizer once, all gradients being in; per group, whether GradScaler found an inf or
+        NaN (all False without a scaler)."""
         found_inf: dict[str, bool] = {}
         for name, g in active.items():
-            if scaling:
+            if self._scaling:
                 self.scaler.unscale_(g.optimizer)
                 found_inf[name] = self._scaler.found_inf(g.optimizer, list(g.params))
             else:
                 found_inf[name] = False
-        # 2. Hooks see every group unscaled and none stepped.
-        for g in active.values():
-            if g.grad_hook is not None:
-                g.grad_hook([p for p in g.params if p.grad is not None])
-        # 3. Norm of the unscaled gradients; a non-finite one skips the group; clip the others.
-        norms = {name: self._norm_and_clip(g, found_inf, name) for name, g in active.items()}
-        lrs = {name: _lrs(g) for name, g in self.groups.items()}  # the learning rates this step uses
-        # 4. One optimizer step per group (GradScaler skips a group with inf/NaN), then ONE scaler update.
+        return found_inf
+
+    def _step_optimizers(self, active: dict[str, Group], found_inf: dict[str, bool], undo: Rollback) -> None:
+        """One optimizer step per group (GradScaler skips a group with inf/NaN; without a scaler, a skipped
+        group is not stepped), then ONE scaler update."""
+        scaling = self._scaling
         for name, g in active.items():
             assert g.optimizer is not None  # checked by check_configured
             if found_inf[name] and not scaling:
@@ -296,13 +304,17 @@ class Stepper:
                 g.optimizer.step()
         if scaling and active:
             self.scaler.update()
-        # 5. Schedulers count optimizer updates actually applied.
-        scheduled = [g for name, g in active.items() if g.scheduler is not None and not found_inf[name]]
-        undo.schedulers(scheduled)
-        for g in scheduled:
-            g.scheduler.step()
+
+    def _window_stats(
+        self,
+        active: dict[str, Group],
+        found_inf: dict[str, bool],
+        norms: dict[str, float],
+        lrs: dict[str, tuple[float, ...]],
+    ) -> dict[str, GroupStats]:
+        """Per group: the window's mean loss, its gradient norm, the learning rates used, whether it skipped."""
         losses = {name: float(total) / self._divisor() for name, total in self._losses.items()}
-        groups = {
+        return {
             name: GroupStats(
                 loss=losses.get(name),
                 grad_norm=norms.get(name),
@@ -313,7 +325,6 @@ class Stepper:
             )
             for name in self.groups
         }
-        return groups, scale
 
     def _norm_and_clip(self, g: Group, found_inf: dict[str, bool], name: str) -> float:
         """The total norm of ``g``'s unscaled gradients; clip them to ``max_grad_norm`` unless the group is
@@ -446,6 +457,21 @@ def _clip_with_norm(params: list[torch.Tensor], max_norm: float, total_norm: tor
         clip(params, max_norm, total_norm)
     else:  # pragma: no cover - torch < 2.6
         torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _run_grad_hooks(active: Mapping[str, Group]) -> None:
+    """Each group's ``grad_hook``, on its parameters that have a gradient: every group unscaled, none stepped."""
+    for g in active.values():
+        if g.grad_hook is not None:
+            g.grad_hook([p for p in g.params if p.grad is not None])
+
+
+def _step_schedulers(active: Mapping[str, Group], found_inf: Mapping[str, bool], undo: Rollback) -> None:
+    """Step the schedulers of the groups whose optimizer really stepped: they count updates applied."""
+    scheduled = [g for name, g in active.items() if g.scheduler is not None and not found_inf[name]]
+    undo.schedulers(scheduled)
+    for g in scheduled:
+        g.scheduler.step()
 
 
 def _lrs(g: Group) -> tuple[float, ...]:

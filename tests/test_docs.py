@@ -72,7 +72,7 @@ def test_every_markdown_file_is_counted():
 
 
 @pytest.mark.parametrize("doc", DOCS)
-def test_markdown_python_blocks_run_in_order(doc):
+def test_markdown_python_blocks_run_in_order(doc, capsys):
     namespace: dict = {"__name__": doc}
     executed = 0
     for runs, code in python_blocks(ROOT / doc):
@@ -82,6 +82,12 @@ def test_markdown_python_blocks_run_in_order(doc):
     assert executed == BLOCKS_RUN[doc]
     if doc == "README.md":  # the README's blocks form one program that ends with a training step
         assert namespace["stats"] is not None
+    if doc == "docs/training_step.md":  # a whole training loop, resumable: it ends where its prose says
+        stats = namespace["stats"]
+        assert stats.step == namespace["total_steps"] and not stats.accumulating
+        assert 0 < namespace["scheduler_tenc"].last_epoch <= namespace["total_steps"]
+        assert set(namespace["checkpoint"]["router"]["optimizers"]) == {"tenc", "unet"}
+        assert "0 {" in capsys.readouterr().out
 
 
 def test_readme_problem_statement_is_what_the_api_says():

@@ -10,7 +10,6 @@ import contextlib
 import copy
 import io
 import math
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ from gradroute._step_checks import STATE_KEYS
 from gradroute.schedules import warmup_power
 from tests._state import assert_same, whole_state
 
-ROOT = Path(__file__).resolve().parents[1]
 INF = float("inf")
 
 # ---------------------------------------------------------------------- setups
@@ -465,19 +463,6 @@ def test_seed_setup_steps_with_the_scheduled_learning_rates() -> None:
     for opt in (s.opt_t, s.opt_u):
         assert opt.defaults["fused"] is True
         assert all(float(st["step"]) == 4 for st in opt.state.values())
-
-
-def test_docs_training_step_block_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    text = (ROOT / "docs" / "training_step.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 1, "docs/training_step.md holds exactly one python block"
-    namespace: dict[str, Any] = {"__name__": "docs_training_step"}
-    exec(compile(blocks[0], "docs/training_step.md", "exec"), namespace)
-    stats = namespace["stats"]
-    assert stats.step == namespace["total_steps"] and not stats.accumulating
-    assert 0 < namespace["scheduler_tenc"].last_epoch <= namespace["total_steps"]
-    assert set(namespace["checkpoint"]["router"]["optimizers"]) == {"tenc", "unet"}
-    assert "0 {" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------- call-order and configuration errors

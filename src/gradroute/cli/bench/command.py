@@ -51,32 +51,20 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = bench_dtype(args.dtype, dev)
-    if args.steps < 1:
-        raise ValueError(f"`--steps` must be >= 1, got {args.steps}")
-    if args.warmup < 0:
-        raise ValueError(f"`--warmup` must be >= 0, got {args.warmup}")
-    if args.plot and not has_matplotlib():
-        raise ValueError("`--plot` needs matplotlib (pip install 'gradroute[demo]')")
+    _check_args(args)
     r = (CompiledRunner if args.compile else Runner).from_args(args, dev)
-    wl = r.wl
-    groups = [wl.up_name, wl.down_name]
-    n_batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH[wl.name]
+    name, groups = r.wl.name, [r.wl.up_name, r.wl.down_name]
+    n_batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH[name]
     total = len(strategies) * (1 + args.warmup + args.steps) * (2 if args.compile else 1) + len(strategies)
-    progress = Progress(total, f"bench {wl.name}")
-    compiled = None
-    if isinstance(r, CompiledRunner):
-        results, compiled = measure_both(
-            r, args.compile, strategies, steps=args.steps, warmup=args.warmup, progress=progress
-        )
-    else:
-        results = measure(r, strategies, steps=args.steps, warmup=args.warmup, progress=progress)
+    progress = Progress(total, f"bench {name}")
+    results, compiled = _measure(r, args, strategies, progress)
     ok = [s for s in strategies if "error" not in results[s]]
     if args.no_memory:
         method = "not measured (--no-memory)"
     elif dev.type == "cuda":
         method = _cuda_peaks(r, ok, results, progress)
     else:
-        del r, wl  # the children measure; the parent lets go of its models first
+        del r  # the children measure; the parent lets go of its models first
         gc.collect()
         method = _cpu_peaks(args, dtype, ok, results, progress)
     progress.close()
@@ -99,13 +87,37 @@ def run(args: argparse.Namespace) -> int:
         "compile": compiled,
     }
     report["targets"] = targets(results)
+    _write(report, args)
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """The checks of ``--steps``, ``--warmup`` and ``--plot`` that argparse does not make."""
+    if args.steps < 1:
+        raise ValueError(f"`--steps` must be >= 1, got {args.steps}")
+    if args.warmup < 0:
+        raise ValueError(f"`--warmup` must be >= 0, got {args.warmup}")
+    if args.plot and not has_matplotlib():
+        raise ValueError("`--plot` needs matplotlib (pip install 'gradroute[demo]')")
+
+
+def _measure(
+    r: Runner, args: argparse.Namespace, strategies: list[str], progress: Progress
+) -> tuple[dict[str, Any], Any]:
+    """Error and time of every strategy (eager, and compiled with ``--compile``): ``(results, compiled)``."""
+    if isinstance(r, CompiledRunner):
+        return measure_both(r, args.compile, strategies, steps=args.steps, warmup=args.warmup, progress=progress)
+    return measure(r, strategies, steps=args.steps, warmup=args.warmup, progress=progress), None
+
+
+def _write(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print the table; write ``--json`` and ``--plot`` if asked."""
     print(table(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
         plot(report, args.plot)
-    return 0
 
 
 def _cuda_peaks(r: Runner, ok: list[str], results: dict[str, Any], progress: Any) -> str:

@@ -201,6 +201,7 @@ def test_generated_graphs_every_autotune_candidate_exact(case, options):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # 2000 examples: ~8 min on a quiet 2-core machine, past the suite's 600 s under load
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_generated_graphs_exact_many(case):

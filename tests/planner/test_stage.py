@@ -113,6 +113,19 @@ def test_a_node_feeding_a_capture_from_a_later_stage_is_a_conflict_resolved_by_m
     assert resolve(g, stage, set(), retained, set(), move=False) == {a: R1, p: R1, j: F2}
 
 
+def test_a_conflict_is_resolved_by_moving_the_nodes_that_feed_only_the_capture() -> None:
+    # r (stage F0) feeds u and p; u (F0) feeds only j, which p (R1) feeds too: F0 would execute p
+    r, u, p, j = 0, 1, 2, 3
+    g = graph({r: [u, p], u: [j], p: [j]}, {})
+    stage = {r: F0, u: F0, p: R1, j: F2}
+    retained = {r: False, u: False, p: True, j: False}
+    assert find_conflict(g, stage, set()) == (F0, R1, j)
+    moved = resolve(g, stage, set(), retained, set(), move=True)
+    assert moved == {r: F0, u: F2, p: R1, j: F2}  # u goes with j: F0 captures the edges into u and p
+    assert find_conflict(g, moved, set()) is None
+    assert resolve(g, stage, set(), retained, set(), move=False) == {r: R1, u: R1, p: R1, j: F2}
+
+
 def _chain_pass(k: int, chunk_of: dict[int, int] | None = None) -> tuple[PassStages, list[int]]:
     g, params = chain()
     found = reach(g, params, ROOTS, merge_shared=True)

@@ -147,6 +147,14 @@ def private_apis(py: str) -> dict[str, bool]:
     return json.loads(res.stdout) if res.returncode == 0 else {}
 
 
+def prunes_compiled(py: str) -> dict | None:
+    """``tools/prune_probe.py`` run with this torch: whether routed passes through ``gradroute.compile`` skip the
+    weight gradients they do not need (``{"prunes": bool, "why": str}``), None if the probe itself failed."""
+    res = subprocess.run([py, str(ROOT / "tools" / "prune_probe.py")], capture_output=True, text=True, cwd=ROOT)
+    lines = res.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if res.returncode == 0 and lines else None
+
+
 def commit() -> str:
     """The commit tested (``GRADROUTE_MATRIX_COMMIT`` when run from an exported copy of it)."""
     if os.environ.get("GRADROUTE_MATRIX_COMMIT"):
@@ -195,6 +203,7 @@ def check_version(version: str, args: argparse.Namespace) -> dict:
             record["columns"][column] = {**counts, "seconds": round(time.monotonic() - t0), "commit": record["commit"]}
         record["libraries"] = versions_of(py, EXAMPLE_LIBS)
         record["private_apis"] = private_apis(py)
+        record["prunes_compiled"] = prunes_compiled(py)
     record["seconds"] = round(time.monotonic() - started)
     if not args.keep:
         shutil.rmtree(venv, ignore_errors=True)
@@ -219,9 +228,26 @@ def row(record: dict) -> list[str]:
     else:
         cells = [cell(record, c) for c in COLUMNS]
     apis = ", ".join(k for k, v in record.get("private_apis", {}).items() if v) or "-"
+    probe = record.get("prunes_compiled")
+    prunes = (
+        "-"
+        if "prunes_compiled" not in record
+        else "probe failed"
+        if probe is None
+        else "yes"
+        if probe["prunes"]
+        else "no"
+    )
     libs = ", ".join(f"{k} {v}" for k, v in record.get("libraries", {}).items()) or "-"
     commits = sorted({c.get("commit", record["commit"]) for c in record.get("columns", {}).values()})
-    return [record["torch"], *cells, apis, libs, f"{' / '.join(commits or [record['commit']])}, {record['date']}"]
+    return [
+        record["torch"],
+        *cells,
+        prunes,
+        apis,
+        libs,
+        f"{' / '.join(commits or [record['commit']])}, {record['date']}",
+    ]
 
 
 def table(results: Path) -> str:
@@ -232,10 +258,22 @@ def table(results: Path) -> str:
             if report.exists() and not counts.get("timed_out"):
                 counts.update(report_counts(report))
     records.sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["torch"])))
-    head = ["torch", *COLUMNS, "has (private APIs)", "libraries (pip's pick)", "commit, date"]
+    head = [
+        "torch",
+        *COLUMNS,
+        "prunes compiled regions",
+        "has (private APIs)",
+        "libraries (pip's pick)",
+        "commit, date",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row(r)) + " |" for r in records]
-    legend = "Cells: passed/failed/skipped (xfail: a test the suite marks as an expected failure); `-`: not run."
+    legend = (
+        "Cells: passed/failed/skipped (xfail: a test the suite marks as an expected failure); `-`: not run. "
+        "Prunes compiled regions: `tools/prune_probe.py` with that torch measured a routed backward through "
+        "`gradroute.compile` (aot_eager) modules at the eager routed backward's FLOPs, below `torch.compile`'s, "
+        "with the eager gradients."
+    )
     return "\n".join(lines) + "\n\n" + legend + "\n"
 
 

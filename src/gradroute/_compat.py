@@ -41,7 +41,7 @@ API                                         releases      without it
 ``torch._C.DisableTorchFunctionSubclass``
 ``torch._dynamo.eval_frame.OptimizedModule``  all         (read only once ``torch._dynamo`` is imported: nothing
                                                           can be compiled before)
-``torch._functorch.config.donated_buffer``  2.6+          nothing to turn off: no donated buffers before
+``torch._functorch.config.donated_buffer``  all [1]_      nothing to turn off (no donated buffers)
 ``GradScaler._found_inf_per_device``,       all           ``found_inf`` checks the unscaled gradients;
 ``._per_optimizer_states``                                the stage check is skipped
 FSDP2 (``fully_shard``) internals:
@@ -49,13 +49,13 @@ FSDP2 (``fully_shard``) internals:
 FSDPState/FSDPParam module                  2.6+ [3]_     2.5: ``torch.distributed._composable.fsdp``
 ``FSDPState._fsdp_param_groups``            2.10+         ``_fsdp_param_group`` (one group per state)
 ``FSDPParam._unsharded_param``              all           -
-``torch.distributed.fsdp.fully_shard``      2.6+          2.5: ``torch.distributed._composable.fsdp`` (whose
+``torch.distributed.fsdp.fully_shard``      2.6+ [5]_     2.5: ``torch.distributed._composable.fsdp`` (whose
                                                           FSDP2 runs on CUDA only)
-torch.compile internals (``gradroute.compile``): all [4]_        ``gradroute.compile`` is ``torch.compile``: exact,
-``torch._C._will_engine_execute_node``,                   compiled backwards not pruned, and the plan says why
-``torch._dynamo.backends`` (``aot_autograd``,             (``compiler_internals_missing`` names what is
-``boxed_nop``), ``torch._functorch.partitioners``,        missing)
-``torch._inductor.compile_fx`` (``compile_fx``,
+torch.compile internals (``gradroute.compile``):
+``torch._C._will_engine_execute_node``,     all [4]_      ``gradroute.compile`` is ``torch.compile``: exact,
+``torch._dynamo.backends`` (``aot_autograd``,             compiled backwards not pruned, and the plan says why
+``boxed_nop``), ``torch._functorch.partitioners``,        (``compiler_internals_missing`` names what is
+``torch._inductor.compile_fx`` (``compile_fx``,           missing)
 ``compile_fx_inner``), ``torch._inductor.config``,
 ``torch._TorchCompileInductorWrapper``,
 ``torch._guards`` (``TracingContext``,
@@ -63,7 +63,7 @@ torch.compile internals (``gradroute.compile``): all [4]_        ``gradroute.com
 ``get_aot_compilation_context``,
 ``CompiledFunction._aot_id``,
 ``fw_metadata.bw_donated_idxs``
-``torch._functorch.config``                   all         (keys missing in a release are not patched)
+``torch._functorch.config``                 all           (keys missing in a release are not patched)
 ``.enable_autograd_cache`` / ``.force_autograd_cache``
 ==========================================  ============  ======================================================
 
@@ -74,6 +74,8 @@ torch.compile internals (``gradroute.compile``): all [4]_        ``gradroute.com
 .. [3] ``torch.distributed.fsdp._fully_shard._fsdp_state``.
 .. [4] measured per release by ``make test-matrix`` (``tools/prune_probe.py``): the README table's column
    "prunes compiled regions".
+.. [5] FSDP2 runs on the CPU (gloo) from torch 2.7; 2.6's fails there in its first forward (its all-gather
+   calls ``Stream.record_event``, which a CPU stream lacks), in torch, before gradroute is involved.
 
 NOTE [Freed-graph probe without SavedTensor.data]
 The router refuses a loss whose graph an earlier backward freed before it touches anything, by looking at
@@ -358,7 +360,8 @@ def is_optimized_module(fn: Any) -> bool:
 def no_donated_buffers() -> contextlib.AbstractContextManager[Any]:
     """Context manager: AOTAutograd donates no saved activations to compiled backwards (routed passes retain).
 
-    ``torch._functorch.config.donated_buffer`` exists from torch 2.6; before, nothing is donated.
+    ``torch._functorch.config.donated_buffer`` exists in every supported release (README table, column "has");
+    where it is missing, nothing is donated.
     """
     import torch._functorch.config as functorch_config
 

@@ -7,7 +7,8 @@
 For each version: a venv ``<cache>/venv-<version>`` with that torch and ``-e .[test,demo,...]`` with the
 libraries of the integration examples (``pip`` picks their versions for that torch), then one
 pytest run per column (core, checkpoint, generated graphs, examples, distributed) with a JUnit report, and
-a JSON record ``<results>/<version>.json`` (counts, library versions, commit, date, time taken). A version
+a JSON record ``<results>/<version>.json`` (counts, library versions, the private APIs that torch has,
+whether it prunes compiled regions as ``tools/prune_probe.py`` measures it, commit, date, time taken). A version
 below gradroute's minimum is checked for the clear error at import instead. The venv is deleted afterwards
 unless ``--keep`` (the CUDA builds take about 5 GB each). Downloads go through ``<cache>/pip``
 (``PIP_CACHE_DIR``). One version at a time: the CPU is the bottleneck.

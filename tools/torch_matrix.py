@@ -143,7 +143,8 @@ def private_apis(py: str) -> dict[str, bool]:
     """Which of the version-dependent private APIs of ``gradroute._compat`` this torch has."""
     code = (
         "import json, torch, torch._functorch.config as f, gradroute._compat as c\n"
-        "print(json.dumps({'SavedTensor.data': c.SAVED_DATA,\n"
+        "print(json.dumps({'SavedTensor.data': hasattr(torch._C._autograd.SavedTensor, 'data'),\n"
+        "    'SavedTensor.unpack': hasattr(torch._C._autograd.SavedTensor, 'unpack'),\n"
         "    '_get_graph_exec_group': hasattr(torch._C, '_get_graph_exec_group'),\n"
         "    'donated_buffer': hasattr(f, 'donated_buffer')}))"
     )

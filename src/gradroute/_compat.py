@@ -13,7 +13,8 @@ Where a public API does the job it is used instead (autocast state: ``torch.is_a
 ==========================================  ============  ======================================================
 API                                         releases      without it
 ==========================================  ============  ======================================================
-``SavedTensor.data`` / ``.unpack_hook``     [1]_          freed-graph probe through ``register_hooks`` (below);
+``SavedTensor.data`` / ``.unpack_hook`` /  [1]_          freed-graph probe through ``register_hooks`` (below);
+``.unpack()`` (all three: ``SAVED_DATA``)
                                                           checkpoint bytes per node from sequence numbers;
                                                           torch's own checkpoint nodes not recognised [2]_
 ``SavedTensor.register_hooks``,             all           -
@@ -184,8 +185,10 @@ if _release(TORCH_VERSION) < MIN_TORCH:
 
 # ---------------------------------------------------------------------------------------------- saved tensors
 
-#: whether ``torch._C._autograd.SavedTensor`` exposes ``.data`` (what the pack hook returned) and ``.unpack_hook``
-SAVED_DATA: bool = hasattr(torch._C._autograd.SavedTensor, "data")
+#: whether ``torch._C._autograd.SavedTensor`` exposes ``.data`` (what the pack hook returned), ``.unpack_hook``
+#: and ``.unpack()`` (the router tells a never-defined optional tensor from a released one by unpacking it);
+#: torch 2.10 and 2.11 have ``.data`` without ``.unpack``: gradroute then takes the path of the releases before
+SAVED_DATA: bool = all(hasattr(torch._C._autograd.SavedTensor, a) for a in ("data", "unpack_hook", "unpack"))
 
 _RAW_SAVED = "_raw_saved_"
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}

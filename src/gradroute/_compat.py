@@ -23,7 +23,7 @@ API                                         releases      without it
 ``Node._sequence_nr()``
 ``torch._C._current_graph_task_id``,        all           -
 ``torch._C._current_autograd_node``
-``torch._C._get_graph_exec_group``          [1]_          no ``GraphExecGroup`` can be in effect: keyed by the
+``torch._C._get_graph_exec_group``          2.10+ [6]_    no ``GraphExecGroup`` can be in effect: keyed by the
                                                           engine's graph task, as torch's checkpoint then did
 ``torch._C._DisableAutocast``               all           -
 ``torch.autograd.graph._engine_run_backward``  all        ``torch.autograd.backward``/``grad`` (their checks,
@@ -42,7 +42,7 @@ API                                         releases      without it
 ``torch._C.DisableTorchFunctionSubclass``
 ``torch._dynamo.eval_frame.OptimizedModule``  all         (read only once ``torch._dynamo`` is imported: nothing
                                                           can be compiled before)
-``torch._functorch.config.donated_buffer``  all [1]_      nothing to turn off (no donated buffers)
+``torch._functorch.config.donated_buffer``  all           nothing to turn off (no donated buffers)
 ``GradScaler._found_inf_per_device``,       all           ``found_inf`` checks the unscaled gradients;
 ``._per_optimizer_states``                                the stage check is skipped
 FSDP2 (``fully_shard``) internals:
@@ -68,7 +68,8 @@ torch.compile internals (``gradroute.compile``):
 ``.enable_autograd_cache`` / ``.force_autograd_cache``
 ==========================================  ============  ======================================================
 
-.. [1] not in 2.5 and 2.6, in 2.13 and 2.15; the README's table ("Supported versions", column "has") lists
+.. [1] all three from 2.12 (tested: 2.12.1, 2.13.0, 2.15.0); 2.5 to 2.9 have none, 2.10 and 2.11 have ``.data``
+   and ``.unpack_hook`` without ``.unpack``. The README's table ("Supported versions", column "has") lists
    every tested release.
 .. [2] the plan's note that ``torch.utils.checkpoint`` segments are recomputed once per call is not given;
    the gradients and the calls are the same.
@@ -77,6 +78,7 @@ torch.compile internals (``gradroute.compile``):
    "prunes compiled regions".
 .. [5] FSDP2 runs on the CPU (gloo) from torch 2.7; 2.6's fails there in its first forward (its all-gather
    calls ``Stream.record_event``, which a CPU stream lacks), in torch, before gradroute is involved.
+.. [6] not in 2.5 to 2.9 (tested: 2.5.1 to 2.9.1), in 2.10.0 and every later release tested.
 
 NOTE [Freed-graph probe without SavedTensor.data]
 The router refuses a loss whose graph an earlier backward freed before it touches anything, by looking at

@@ -7,7 +7,8 @@
 For each version: a venv ``<cache>/venv-<version>`` with that torch and ``-e .[test,demo,...]`` with the
 libraries of the integration examples (``pip`` picks their versions for that torch), then one
 pytest run per column (core, checkpoint, generated graphs, examples, distributed) with a JUnit report, and
-a JSON record ``<results>/<version>.json`` (counts, library versions, commit, date, time taken). A version
+a JSON record ``<results>/<version>.json`` (counts, library versions, the private APIs that torch has,
+whether it prunes compiled regions as ``tools/prune_probe.py`` measures it, commit, date, time taken). A version
 below gradroute's minimum is checked for the clear error at import instead. The venv is deleted afterwards
 unless ``--keep`` (the CUDA builds take about 5 GB each). Downloads go through ``<cache>/pip``
 (``PIP_CACHE_DIR``). One version at a time: the CPU is the bottleneck.
@@ -37,8 +38,11 @@ REFUSED = ("2.4.1",)
 #: what pip would pick but does not run on that torch (undeclared by the library): the newest that does
 PINS = {
     # diffusers 0.41 and transformers 5.19 read torch.accelerator (torch 2.6+) when imported; transformers 4
-    # cannot run CLIP in float64 (its causal mask overflows), which the tests do
-    "2.5": ("diffusers<0.41", "transformers>=5,<5.19"),
+    # cannot run CLIP in float64 (its causal mask overflows), which the tests do; from 5.2 transformers wraps
+    # its models' forward in utils/output_capturing.py (a module that imports torch for type checking only),
+    # and under torch 2.5's dynamo that frame raises "NameError: name 'torch' is not defined" (torch.compile of
+    # CLIP; 5.1 runs it); 5.18 also calls torch.compiler.is_exporting (torch 2.6+) in code dynamo traces
+    "2.5": ("diffusers<0.41", "transformers>=5,<5.2"),
 }
 COLUMNS = ("core", "checkpoint", "generated graphs", "examples", "distributed")
 EXAMPLE_LIBS = ("diffusers", "transformers", "peft", "accelerate", "lightning")
@@ -139,12 +143,21 @@ def private_apis(py: str) -> dict[str, bool]:
     """Which of the version-dependent private APIs of ``gradroute._compat`` this torch has."""
     code = (
         "import json, torch, torch._functorch.config as f, gradroute._compat as c\n"
-        "print(json.dumps({'SavedTensor.data': c.SAVED_DATA,\n"
+        "print(json.dumps({'SavedTensor.data': hasattr(torch._C._autograd.SavedTensor, 'data'),\n"
+        "    'SavedTensor.unpack': hasattr(torch._C._autograd.SavedTensor, 'unpack'),\n"
         "    '_get_graph_exec_group': hasattr(torch._C, '_get_graph_exec_group'),\n"
         "    'donated_buffer': hasattr(f, 'donated_buffer')}))"
     )
     res = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=ROOT)
     return json.loads(res.stdout) if res.returncode == 0 else {}
+
+
+def prunes_compiled(py: str) -> dict | None:
+    """``tools/prune_probe.py`` run with this torch: whether routed passes through ``gradroute.compile`` skip the
+    weight gradients they do not need (``{"prunes": bool, "why": str}``), None if the probe itself failed."""
+    res = subprocess.run([py, str(ROOT / "tools" / "prune_probe.py")], capture_output=True, text=True, cwd=ROOT)
+    lines = res.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if res.returncode == 0 and lines else None
 
 
 def commit() -> str:
@@ -195,6 +208,7 @@ def check_version(version: str, args: argparse.Namespace) -> dict:
             record["columns"][column] = {**counts, "seconds": round(time.monotonic() - t0), "commit": record["commit"]}
         record["libraries"] = versions_of(py, EXAMPLE_LIBS)
         record["private_apis"] = private_apis(py)
+        record["prunes_compiled"] = prunes_compiled(py)
     record["seconds"] = round(time.monotonic() - started)
     if not args.keep:
         shutil.rmtree(venv, ignore_errors=True)
@@ -219,9 +233,26 @@ def row(record: dict) -> list[str]:
     else:
         cells = [cell(record, c) for c in COLUMNS]
     apis = ", ".join(k for k, v in record.get("private_apis", {}).items() if v) or "-"
+    probe = record.get("prunes_compiled")
+    prunes = (
+        "-"
+        if "prunes_compiled" not in record
+        else "probe failed"
+        if probe is None
+        else "yes"
+        if probe["prunes"]
+        else "no"
+    )
     libs = ", ".join(f"{k} {v}" for k, v in record.get("libraries", {}).items()) or "-"
     commits = sorted({c.get("commit", record["commit"]) for c in record.get("columns", {}).values()})
-    return [record["torch"], *cells, apis, libs, f"{' / '.join(commits or [record['commit']])}, {record['date']}"]
+    return [
+        record["torch"],
+        *cells,
+        prunes,
+        apis,
+        libs,
+        f"{' / '.join(commits or [record['commit']])}, {record['date']}",
+    ]
 
 
 def table(results: Path) -> str:
@@ -232,10 +263,22 @@ def table(results: Path) -> str:
             if report.exists() and not counts.get("timed_out"):
                 counts.update(report_counts(report))
     records.sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["torch"])))
-    head = ["torch", *COLUMNS, "has (private APIs)", "libraries (pip's pick)", "commit, date"]
+    head = [
+        "torch",
+        *COLUMNS,
+        "prunes compiled regions",
+        "has (private APIs)",
+        "libraries (pip's pick)",
+        "commit, date",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row(r)) + " |" for r in records]
-    legend = "Cells: passed/failed/skipped (xfail: a test the suite marks as an expected failure); `-`: not run."
+    legend = (
+        "Cells: passed/failed/skipped (xfail: a test the suite marks as an expected failure); `-`: not run. "
+        "Prunes compiled regions: `tools/prune_probe.py` with that torch measured a routed backward through "
+        "`gradroute.compile` (aot_eager) modules at the eager routed backward's FLOPs, below `torch.compile`'s, "
+        "with the eager gradients."
+    )
     return "\n".join(lines) + "\n\n" + legend + "\n"
 
 

@@ -13,7 +13,8 @@ Where a public API does the job it is used instead (autocast state: ``torch.is_a
 ==========================================  ============  ======================================================
 API                                         releases      without it
 ==========================================  ============  ======================================================
-``SavedTensor.data`` / ``.unpack_hook``     [1]_          freed-graph probe through ``register_hooks`` (below);
+``SavedTensor.data`` / ``.unpack_hook`` /  [1]_          freed-graph probe through ``register_hooks`` (below);
+``.unpack()`` (all three: ``SAVED_DATA``)
                                                           checkpoint bytes per node from sequence numbers;
                                                           torch's own checkpoint nodes not recognised [2]_
 ``SavedTensor.register_hooks``,             all           -
@@ -22,7 +23,7 @@ API                                         releases      without it
 ``Node._sequence_nr()``
 ``torch._C._current_graph_task_id``,        all           -
 ``torch._C._current_autograd_node``
-``torch._C._get_graph_exec_group``          [1]_          no ``GraphExecGroup`` can be in effect: keyed by the
+``torch._C._get_graph_exec_group``          2.10+ [6]_    no ``GraphExecGroup`` can be in effect: keyed by the
                                                           engine's graph task, as torch's checkpoint then did
 ``torch._C._DisableAutocast``               all           -
 ``torch.autograd.graph._engine_run_backward``  all        ``torch.autograd.backward``/``grad`` (their checks,
@@ -41,7 +42,7 @@ API                                         releases      without it
 ``torch._C.DisableTorchFunctionSubclass``
 ``torch._dynamo.eval_frame.OptimizedModule``  all         (read only once ``torch._dynamo`` is imported: nothing
                                                           can be compiled before)
-``torch._functorch.config.donated_buffer``  2.6+          nothing to turn off: no donated buffers before
+``torch._functorch.config.donated_buffer``  all           nothing to turn off (no donated buffers)
 ``GradScaler._found_inf_per_device``,       all           ``found_inf`` checks the unscaled gradients;
 ``._per_optimizer_states``                                the stage check is skipped
 FSDP2 (``fully_shard``) internals:
@@ -49,15 +50,35 @@ FSDP2 (``fully_shard``) internals:
 FSDPState/FSDPParam module                  2.6+ [3]_     2.5: ``torch.distributed._composable.fsdp``
 ``FSDPState._fsdp_param_groups``            2.10+         ``_fsdp_param_group`` (one group per state)
 ``FSDPParam._unsharded_param``              all           -
-``torch.distributed.fsdp.fully_shard``      2.6+          2.5: ``torch.distributed._composable.fsdp`` (whose
+``torch.distributed.fsdp.fully_shard``      2.6+ [5]_     2.5: ``torch.distributed._composable.fsdp`` (whose
                                                           FSDP2 runs on CUDA only)
+torch.compile internals (``gradroute.compile``):
+``torch._C._will_engine_execute_node``,     all [4]_      ``gradroute.compile`` is ``torch.compile``: exact,
+``torch._dynamo.backends`` (``aot_autograd``,             compiled backwards not pruned, and the plan says why
+``boxed_nop``), ``torch._functorch.partitioners``,        (``compiler_internals_missing`` names what is
+``torch._inductor.compile_fx`` (``compile_fx``,           missing)
+``compile_fx_inner``), ``torch._inductor.config``,
+``torch._TorchCompileInductorWrapper``,
+``torch._guards`` (``TracingContext``,
+``CompileContext``), AOTAutograd's
+``get_aot_compilation_context``,
+``CompiledFunction._aot_id``,
+``fw_metadata.bw_donated_idxs``
+``torch._functorch.config``                 all           (keys missing in a release are not patched)
+``.enable_autograd_cache`` / ``.force_autograd_cache``
 ==========================================  ============  ======================================================
 
-.. [1] not in 2.5 and 2.6, in 2.13 and 2.15; the README's table ("Supported versions", column "has") lists
+.. [1] all three from 2.12 (tested: 2.12.1, 2.13.0, 2.15.0); 2.5 to 2.9 have none, 2.10 and 2.11 have ``.data``
+   and ``.unpack_hook`` without ``.unpack``. The README's table ("Supported versions", column "has") lists
    every tested release.
 .. [2] the plan's note that ``torch.utils.checkpoint`` segments are recomputed once per call is not given;
    the gradients and the calls are the same.
 .. [3] ``torch.distributed.fsdp._fully_shard._fsdp_state``.
+.. [4] measured per release by ``make test-matrix`` (``tools/prune_probe.py``): the README table's column
+   "prunes compiled regions".
+.. [5] FSDP2 runs on the CPU (gloo) from torch 2.7; 2.6's fails there in its first forward (its all-gather
+   calls ``Stream.record_event``, which a CPU stream lacks), in torch, before gradroute is involved.
+.. [6] not in 2.5 to 2.9 (tested: 2.5.1 to 2.9.1), in 2.10.0 and every later release tested.
 
 NOTE [Freed-graph probe without SavedTensor.data]
 The router refuses a loss whose graph an earlier backward freed before it touches anything, by looking at
@@ -93,23 +114,36 @@ __all__ = [
     "StorageWeakRef",
     "TorchDispatchMode",
     "TorchPlaceholder",
+    "aot_eager_backend",
+    "aot_id_being_compiled",
+    "aot_id_of",
     "backward_hooks",
+    "boxed_nop",
+    "compile_contexts",
+    "compiler_internals_missing",
     "current_autograd_node",
     "current_graph_exec_group",
     "current_graph_task_id",
     "device_module",
     "disable_torch_function_subclass",
     "engine_run_backward",
+    "engine_will_execute",
     "found_inf",
     "fsdp_param_groups",
     "fsdp_states",
     "fully_shard",
     "get_autocast_kwargs",
     "get_device_states",
+    "inductor_compile",
+    "inductor_compile_inner",
+    "inductor_config_patch",
+    "inductor_patches",
     "infer_device_type",
     "is_optimized_module",
     "next_sequence_nr",
     "no_autocast",
+    "no_autograd_cache",
+    "no_backward_donation",
     "no_donated_buffers",
     "node_sequence_nr",
     "noop_context_fn",
@@ -124,6 +158,7 @@ __all__ = [
     "set_device_states",
     "set_scaler_states",
     "storage_id",
+    "target_schema",
     "tree_map",
     "unsharded_param",
     "version",
@@ -152,8 +187,10 @@ if _release(TORCH_VERSION) < MIN_TORCH:
 
 # ---------------------------------------------------------------------------------------------- saved tensors
 
-#: whether ``torch._C._autograd.SavedTensor`` exposes ``.data`` (what the pack hook returned) and ``.unpack_hook``
-SAVED_DATA: bool = hasattr(torch._C._autograd.SavedTensor, "data")
+#: whether ``torch._C._autograd.SavedTensor`` exposes ``.data`` (what the pack hook returned), ``.unpack_hook``
+#: and ``.unpack()`` (the router tells a never-defined optional tensor from a released one by unpacking it);
+#: torch 2.10 and 2.11 have ``.data`` without ``.unpack``: gradroute then takes the path of the releases before
+SAVED_DATA: bool = all(hasattr(torch._C._autograd.SavedTensor, a) for a in ("data", "unpack_hook", "unpack"))
 
 _RAW_SAVED = "_raw_saved_"
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
@@ -303,6 +340,11 @@ def op_schema(func: Any) -> Any:
     return func._schema
 
 
+def target_schema(target: Any) -> Any | None:
+    """The schema of an FX node's call target, None for a target that is no op (a Python function)."""
+    return getattr(target, "_schema", None)
+
+
 def disable_torch_function_subclass() -> Any:
     """Context manager: ``__torch_function__`` of tensor subclasses off (plain ``torch.Tensor`` behaviour)."""
     return torch._C.DisableTorchFunctionSubclass()
@@ -323,7 +365,8 @@ def is_optimized_module(fn: Any) -> bool:
 def no_donated_buffers() -> contextlib.AbstractContextManager[Any]:
     """Context manager: AOTAutograd donates no saved activations to compiled backwards (routed passes retain).
 
-    ``torch._functorch.config.donated_buffer`` exists from torch 2.6; before, nothing is donated.
+    ``torch._functorch.config.donated_buffer`` exists in every supported release (README table, column "has");
+    where it is missing, nothing is donated.
     """
     import torch._functorch.config as functorch_config
 
@@ -443,3 +486,134 @@ def fully_shard() -> Callable[..., Any]:
     except ImportError:
         from torch.distributed._composable.fsdp import fully_shard as fn  # type: ignore[no-redef]
     return fn
+
+
+# ------------------------------------------------------------------------- torch.compile (gradroute.compile)
+# What gradroute.compile (``_compile``) needs to wrap a backend's backward compiler and specialise the compiled
+# backward per engine call. Missing any of it (see ``compiler_internals_missing``), gradroute.compile falls back
+# to plain torch.compile (exact, not pruned) and the plan says so.
+
+
+def compiler_internals_missing() -> str | None:
+    """Why this torch cannot specialise compiled backwards (the first missing private API), or None."""
+    for name in ("_current_autograd_node", "_will_engine_execute_node"):
+        if not hasattr(torch._C, name):
+            return f"torch {TORCH_VERSION} has no torch._C.{name}"
+    try:
+        from torch._dynamo.backends.common import aot_autograd  # noqa: F401
+        from torch._dynamo.backends.debugging import boxed_nop  # noqa: F401
+        from torch._functorch._aot_autograd.logging_utils import get_aot_compilation_context  # noqa: F401
+        from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: F401
+        from torch._guards import compile_context, tracing  # noqa: F401
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: F401
+
+        torch._TorchCompileInductorWrapper  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        return f"torch {TORCH_VERSION}: {e}"
+    return None
+
+
+def engine_will_execute(fn: Any) -> bool:
+    """Whether the running graph task executes the autograd node ``fn``.
+
+    Raises:
+        RuntimeError: from torch, for a leaf that ``torch.autograd.grad`` captures (torch does not answer).
+    """
+    return bool(torch._C._will_engine_execute_node(fn))
+
+
+def aot_eager_backend(fw_compiler: Callable[..., Any], bw_compiler: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``aot_eager`` backend (AOTAutograd, eager kernels) with its forward and backward compilers replaced."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return aot_autograd(
+        fw_compiler=fw_compiler,
+        bw_compiler=bw_compiler,
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )
+
+
+def boxed_nop(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """``aot_eager``'s compiler: ``gm`` run as it is, boxed calling convention."""
+    from torch._dynamo.backends.debugging import boxed_nop as nop
+
+    return nop(gm, example_inputs)
+
+
+def inductor_patches(mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> dict[str, Any]:
+    """The inductor config patches ``torch.compile(mode=, options=, dynamic=)`` applies."""
+    return dict(torch._TorchCompileInductorWrapper(mode, options, dynamic).config)  # type: ignore[attr-defined]
+
+
+def inductor_config_patch(patches: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """Context manager: ``torch._inductor.config`` patched with ``patches``."""
+    from torch._inductor import config
+
+    return config.patch(patches)
+
+
+def inductor_compile(
+    gm: torch.fx.GraphModule, example_inputs: Any, inner_compile: Callable[..., Any], patches: dict[str, Any]
+) -> Any:
+    """Inductor's backend (``compile_fx``) with its per-graph compiler replaced by ``inner_compile``."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def inductor_compile_inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+    """Inductor's per-graph compiler (``compile_fx_inner``; ``kwargs["is_backward"]`` tells a backward graph)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def no_autograd_cache() -> contextlib.AbstractContextManager[Any]:
+    """Context manager: AOTAutograd's cache off (on a hit it loads a backward without calling its compiler).
+
+    ``enable_autograd_cache`` / ``force_autograd_cache`` are patched where this release has them.
+    """
+    import torch._functorch.config as functorch_config
+
+    keys = ("enable_autograd_cache", "force_autograd_cache")
+    return functorch_config.patch({k: False for k in keys if hasattr(functorch_config, k)})
+
+
+def compile_contexts() -> Callable[[], contextlib.ExitStack]:
+    """What re-enters, later, the tracing and compile contexts (``torch._guards``) in effect now."""
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
+
+    tc, cc = TracingContext.try_get(), CompileContext.try_get()
+
+    def enter() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(tracing(tc))
+        stack.enter_context(compile_context(cc))
+        return stack
+
+    return enter
+
+
+def no_backward_donation() -> None:
+    """The backward being compiled now takes no donated buffers (``fw_metadata.bw_donated_idxs`` emptied)."""
+    from torch._guards import TracingContext
+
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    if meta is not None and hasattr(meta, "bw_donated_idxs"):
+        meta.bw_donated_idxs = []
+
+
+def aot_id_being_compiled() -> int | None:
+    """The AOTAutograd id of the graph being compiled now (from its compilation context), or None."""
+    from torch._functorch._aot_autograd.logging_utils import get_aot_compilation_context
+
+    names = get_aot_compilation_context()[0]
+    head = names[0].split("_", 1)[0] if names else ""
+    return int(head) if head.isdigit() else None
+
+
+def aot_id_of(node: Any) -> int | None:
+    """The AOTAutograd id of a ``CompiledFunctionBackward`` node's region (``CompiledFunction._aot_id``)."""
+    return getattr(getattr(node, "_forward_cls", None), "_aot_id", None)

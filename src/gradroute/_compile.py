@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from . import _compat
+
 # NOTE [Compiled backwards specialised per engine call]
 # torch.compile turns a module's forward and backward into one custom autograd.Function (AOTAutograd's
 # CompiledFunction); its backward node (CompiledFunctionBackward) runs one compiled backward graph that returns
@@ -43,49 +45,19 @@ import torch
 # compiled backward reusing saved activations as gradient buffers) is switched off too: a routed pass retains
 # the graph, which donation forbids, and with donation off torch._functorch.config.donated_buffer needs no change.
 
-# ---------------------------------------------------------------------------------------------------------------
-# Private torch APIs: the only ones this module uses, all here (checked against torch 2.13.0; where one is
-# missing, `unavailable` says which, gradroute.compile falls back to torch.compile and the plan says so).
-#   torch._C._current_autograd_node, torch._C._will_engine_execute_node: the engine's state during a backward.
-#   torch._dynamo.backends.common.aot_autograd, torch._dynamo.backends.debugging.boxed_nop,
-#   torch._functorch.partitioners.min_cut_rematerialization_partition: the aot_eager backend's parts.
-#   torch._inductor.compile_fx.compile_fx(inner_compile=...), compile_fx_inner, torch._TorchCompileInductorWrapper
-#   (mode/options -> inductor config patches): the inductor backend's parts.
-#   torch._functorch.config (enable_autograd_cache, force_autograd_cache), torch._guards.TracingContext/
-#   CompileContext (re-entered to compile a variant lazily), the CompiledFunction's _aot_id and
-#   torch._functorch._aot_autograd.logging_utils.get_aot_compilation_context (which region a node belongs to).
-# ---------------------------------------------------------------------------------------------------------------
-
+# Every private torch API this module needs (the engine's state during a backward, the aot_eager and inductor
+# backends' parts, AOTAutograd's contexts, cache and ids) comes from _compat, which says per API which releases
+# have it; where one is missing (_compat.compiler_internals_missing), gradroute.compile falls back to
+# torch.compile and the plan says so.
 
 _UNAVAILABLE: list[str | None] = []  # computed once: why this torch release cannot prune compiled backwards
 
 
 def unavailable() -> str | None:
     """Why this torch release cannot specialise compiled backwards (a missing private API), or None."""
-    if _UNAVAILABLE:
-        return _UNAVAILABLE[0]
-    reason = None
-    for name in ("_current_autograd_node", "_will_engine_execute_node"):
-        if not hasattr(torch._C, name):
-            reason = f"torch {torch.__version__} has no torch._C.{name}"
-    try:
-        from torch._dynamo.backends.common import aot_autograd  # noqa: F401
-        from torch._dynamo.backends.debugging import boxed_nop  # noqa: F401
-        from torch._functorch._aot_autograd.logging_utils import get_aot_compilation_context  # noqa: F401
-        from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: F401
-        from torch._guards import compile_context, tracing  # noqa: F401
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: F401
-
-        torch._TorchCompileInductorWrapper  # noqa: B018
-    except (ImportError, AttributeError) as e:
-        reason = reason or f"torch {torch.__version__}: {e}"
-    _UNAVAILABLE.append(reason)
-    return reason
-
-
-def _current_node() -> Any:
-    """The autograd node the engine is running (None outside a backward)."""
-    return torch._C._current_autograd_node()
+    if not _UNAVAILABLE:
+        _UNAVAILABLE.append(_compat.compiler_internals_missing())
+    return _UNAVAILABLE[0]
 
 
 def _engine_will_run(fn: Any) -> bool:
@@ -93,97 +65,38 @@ def _engine_will_run(fn: Any) -> bool:
     if fn is None:
         return False
     try:
-        return bool(torch._C._will_engine_execute_node(fn))
+        return _compat.engine_will_execute(fn)
     except RuntimeError:
         return True  # a leaf that autograd.grad captures: "not supported" to ask, and needed
 
 
-def _aot_id_being_compiled() -> int | None:
-    from torch._functorch._aot_autograd.logging_utils import get_aot_compilation_context
-
-    names = get_aot_compilation_context()[0]
-    head = names[0].split("_", 1)[0] if names else ""
-    return int(head) if head.isdigit() else None
-
-
-def _aot_id_of(node: Any) -> int | None:
-    return getattr(getattr(node, "_forward_cls", None), "_aot_id", None)
-
-
-def _compile_contexts() -> Callable[[], ExitStack]:
-    """Re-enters, later, the tracing and compile contexts AOTAutograd compiles a backward in."""
-    from torch._guards import CompileContext, TracingContext, compile_context, tracing
-
-    tc, cc = TracingContext.try_get(), CompileContext.try_get()
-
-    def enter() -> ExitStack:
-        stack = ExitStack()
-        stack.enter_context(tracing(tc))
-        stack.enter_context(compile_context(cc))
-        return stack
-
-    return enter
-
-
-def _no_donation() -> None:
-    from torch._guards import TracingContext
-
-    tc = TracingContext.try_get()
-    meta = getattr(tc, "fw_metadata", None)
-    if meta is not None and hasattr(meta, "bw_donated_idxs"):
-        meta.bw_donated_idxs = []
-
-
 def _aot_eager(region: Region) -> Callable[..., Any]:
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     def forward(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         region.forward_compiled(gm)
-        return boxed_nop(gm, example_inputs)
+        return _compat.boxed_nop(gm, example_inputs)
 
     def backward(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        return region.backward(gm, lambda variant: boxed_nop(variant, example_inputs))
+        return region.backward(gm, lambda variant: _compat.boxed_nop(variant, example_inputs))
 
-    return aot_autograd(
-        fw_compiler=forward,
-        bw_compiler=backward,
-        partition_fn=min_cut_rematerialization_partition,
-        keep_inference_input_mutations=True,
-    )
-
-
-def _inductor_patches(mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> dict[str, Any]:
-    return dict(torch._TorchCompileInductorWrapper(mode, options, dynamic).config)
+    return _compat.aot_eager_backend(forward, backward)
 
 
 def _inductor(region: Region, patches: dict[str, Any]) -> Callable[..., Any]:
-    from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
     def inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         if not kwargs.get("is_backward"):
             region.forward_compiled(gm)
-            return compile_fx_inner(gm, example_inputs, **kwargs)
+            return _compat.inductor_compile_inner(gm, example_inputs, **kwargs)
 
         def compile_variant(variant: torch.fx.GraphModule) -> Any:
-            with config.patch(patches):
-                return compile_fx_inner(variant, example_inputs, **kwargs)
+            with _compat.inductor_config_patch(patches):
+                return _compat.inductor_compile_inner(variant, example_inputs, **kwargs)
 
         return region.backward(gm, compile_variant)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+        return _compat.inductor_compile(gm, example_inputs, inner, patches)
 
     return backend
-
-
-def _without_aot_cache() -> Any:
-    import torch._functorch.config as functorch_config
-
-    keys = ("enable_autograd_cache", "force_autograd_cache")
-    return functorch_config.patch({k: False for k in keys if hasattr(functorch_config, k)})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -244,12 +157,12 @@ class Region:
             tensors += is_tensor
         self.slots, self.tensors = slots, tensors
         self.stats.regions += 1
-        aot_id = _aot_id_being_compiled()
+        aot_id = _compat.aot_id_being_compiled()
         if aot_id is not None:
             _ROUTED.add(aot_id)
 
     def backward(self, gm: torch.fx.GraphModule, compile_variant: Callable[[torch.fx.GraphModule], Any]) -> Any:
-        _no_donation()
+        _compat.no_backward_donation()
         self.stats.backwards += 1
         return MaskedBackward(gm, self, compile_variant)
 
@@ -270,14 +183,14 @@ class MaskedBackward:
         if self.slots is None:
             self.stats.unaligned += 1
         self.compile_variant = compile_variant
-        self.contexts = _compile_contexts()
+        self.contexts = _compat.compile_contexts()
         self.variants: dict[tuple[int, ...], Any] = {}
-        if _current_node() is not None:  # compiled lazily, in the first call: this call's variant, now
+        if _compat.current_autograd_node() is not None:  # compiled lazily, in the first call: this call's variant, now
             self._get(self.mask(), reenter=False)
 
     def mask(self) -> tuple[int, ...]:
         """The outputs this call of the backward must compute (indices into the graph's outputs)."""
-        node = _current_node() if self.slots is not None else None
+        node = _compat.current_autograd_node() if self.slots is not None else None
         edges = node.next_functions if node is not None else None
         if edges is None or len(edges) != self.tensors or self.slots is None:
             return self.computed
@@ -341,7 +254,7 @@ def _narrow_output_masks(graph: torch.fx.Graph) -> bool:
     """
     changed = False
     for node in graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        schema = _compat.target_schema(node.target) if node.op == "call_function" else None
         pos = next((k for k, a in enumerate(schema.arguments) if a.name == "output_mask"), None) if schema else None
         if pos is None or any(u.target is not operator.getitem for u in node.users):
             continue
@@ -367,12 +280,12 @@ class RoutedBackend:
     def __init__(self, backend: str, mode: str | None, options: dict[str, Any] | None, dynamic: bool | None) -> None:
         self.backend = backend
         self.stats = CompileStats()
-        self._patches = _inductor_patches(mode, options, dynamic) if backend == "inductor" else {}
+        self._patches = _compat.inductor_patches(mode, options, dynamic) if backend == "inductor" else {}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         region = Region(self.stats)
         compiler = _inductor(region, self._patches) if self.backend == "inductor" else _aot_eager(region)
-        with _without_aot_cache():
+        with _compat.no_autograd_cache():
             return compiler(gm, example_inputs)
 
 
@@ -468,7 +381,7 @@ def compile_stats(compiled: Any) -> CompileStats | None:
 
 def plan_note(nodes: Iterable[Any]) -> str | None:
     """A line for the plan about the compiled regions among ``nodes`` (autograd nodes), or None if none."""
-    ids = [_aot_id_of(n) for n in nodes if type(n).__name__ == "CompiledFunctionBackward"]
+    ids = [_compat.aot_id_of(n) for n in nodes if type(n).__name__ == "CompiledFunctionBackward"]
     if not ids:
         return None
     plain = sum(1 for i in ids if i not in _ROUTED)

@@ -33,6 +33,15 @@ def _unwrap(model: Any) -> Any:
     return model
 
 
+def _transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def enable_checkpointing(model: nn.Module, *, every_n_layers: int = 1) -> None:
     """Turn on a transformers or diffusers model's activation checkpointing, with :func:`gradroute.checkpoint`.
 
@@ -42,7 +51,7 @@ def enable_checkpointing(model: nn.Module, *, every_n_layers: int = 1) -> None:
 
     Args:
         model: a ``transformers.PreTrainedModel`` or a ``diffusers.ModelMixin`` (possibly wrapped).
-        every_n_layers: transformers only (5.x): checkpoint every n-th layer.
+        every_n_layers: transformers only (5.16+): checkpoint every n-th layer.
 
     Raises:
         TypeError: not a model of either library, or a transformers model whose checkpointing uses the format
@@ -80,7 +89,10 @@ def enable_checkpointing(model: nn.Module, *, every_n_layers: int = 1) -> None:
         if "every_n_layers" in params:
             kwargs["every_n_layers"] = every_n_layers
         elif every_n_layers != 1:
-            raise ValueError("`every_n_layers` needs transformers 5 (this version checkpoints every layer)")
+            raise ValueError(
+                f"`every_n_layers` needs transformers 5.16 or later, got {every_n_layers!r} with transformers "
+                f"{_transformers_version()} (whose models checkpoint every layer)"
+            )
         set_func(**kwargs)
         return
     if callable(diffusers_switch) and "gradient_checkpointing_func" in inspect.signature(diffusers_switch).parameters:

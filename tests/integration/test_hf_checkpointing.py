@@ -7,6 +7,7 @@ transformers has no public way to pass a checkpoint function, so the helper uses
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 import pytest
@@ -57,6 +58,12 @@ def test_enable_checkpointing_every_n_layers_and_peft() -> None:
 
     tenc, _, _ = tiny.models()
     lora = get_peft_model(tenc, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    installed = importlib.metadata.version("transformers")
+    if tuple(int(v) for v in installed.split(".")[:2]) < (5, 16):  # its models take no `every_n_layers`
+        with pytest.raises(ValueError, match=rf"needs transformers 5.16 or later, got 2 with transformers {installed}"):
+            gradroute.enable_checkpointing(lora, every_n_layers=2)
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in tenc.modules())  # nothing switched on
+        return
     gradroute.enable_checkpointing(lora, every_n_layers=2)
     layers = [m for name, m in tenc.named_modules() if name.rsplit(".", 1)[-1].isdigit()]  # the encoder's layers
     assert len(layers) == 2

@@ -321,7 +321,12 @@ class Router:
                 losses = ", ".join(f"`{r.name}`" for r in routes)
                 raise GraphFreedError(freed_message(f"a loss routed to {losses}"))
             with self._trial():
-                out = execute(program, accumulate=accumulate, remake_min_bytes=program.options.remake_min_bytes)
+                out = execute(
+                    program,
+                    accumulate=accumulate,
+                    remake_min_bytes=program.options.remake_min_bytes,
+                    watch=_checkpoint.maybe_live(),
+                )
             del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
         return out
 

@@ -17,6 +17,7 @@ from ._compat import saved_items, saved_state
 from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, live_params
 from ._execute import GraphFreedError, execute, freed_message
+from ._graph import Graph
 from ._group import Group, GroupLike
 from ._options import PlanOptions
 from ._planner import Checkpoints, Plan, PlanCache, Program, build
@@ -375,9 +376,14 @@ class Router:
         fsdp2 = fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
         options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
 
-        def make(options: PlanOptions) -> Program:
+        def make(options: PlanOptions, graph: Graph | None = None) -> Program:
             return build(
-                routes, merge_shared=merge_shared, options=options, cache=self._cache, checkpoints=_CHECKPOINTS
+                routes,
+                merge_shared=merge_shared,
+                options=options,
+                cache=self._cache,
+                checkpoints=_CHECKPOINTS,
+                graph=graph,
             )
 
         if self._tuner is None:

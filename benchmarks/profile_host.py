@@ -10,7 +10,8 @@ Runs the bench's ``sd-tiny`` workload at width 8, batch 1, one CPU thread (``gra
 * medians of the calling thread's CPU time (with one torch thread the engine runs there; robust to other
   processes' load, unlike wall-clock time) without a profiler, the routed backward, the hand-written ``cut``
   and the summed backward interleaved step by step: the router's plan lookup (graph walk, signature, plan
-  cache), its execution, and the cycle collector's pauses (mean: they come every few steps);
+  cache), its execution, and the cycle collector's pauses (mean: they come every few steps); and the median
+  of each step's routed / ``cut`` ratio (the two ran next to each other, under the same load);
 * a cProfile of the routed backwards alone: engine calls, Python calls, and the profiled time by part;
 * torch.profiler's count of aten ops per backward (recomputations show up here).
 
@@ -139,6 +140,10 @@ def wall(r: Any, steps: int) -> dict[str, float]:
         _router.execute = real_execute
         gc.callbacks.remove(collector)
     out = {f"{k} backward": statistics.median(v) * 1e3 for k, v in times.items()}
+    # each step's routed and cut backwards ran next to each other (the same load): their ratio, step by step
+    out["routed / cut, median of the steps' ratios"] = statistics.median(
+        a / b for a, b in zip(times["routed"], times["cut"])
+    )
     out.update({f"router: {k}": statistics.median(v[-steps:]) * 1e3 for k, v in parts.items()})
     out["router: cycle collector (mean)"] = statistics.mean(gc_routed) * 1e3
     return out
@@ -213,7 +218,7 @@ def main() -> None:
     ckpt = args.checkpointing and args.kind
     print(f"sd-tiny width 8 batch 1, 1 thread, checkpointing {ckpt}, autotune {args.autotune}")
     for k, v in wall(r, args.steps).items():
-        print(f"  {k:45s} {v:8.3f} ms")
+        print(f"  {k:45s} {v:8.3f}" + ("x" if "ratio" in k else " ms"))
     by_part, counts = profile(r, args.steps)
     for k, v in counts.items():
         print(f"  {k:45s} {v:8.1f} per backward")

@@ -18,6 +18,13 @@ bench sd-tiny-host-ckpt --workload sd-tiny --width 8 --batch-size 1 --threads 1 
 for a in "" "--checkpointing" "--checkpointing --no-autotune" "--checkpointing --kind torch"; do
   PYTHONPATH=src "$PY" benchmarks/profile_host.py $a --steps 30
 done > "$out/profile-host.txt"
+# SD-1.5 with cut points on the meta device: the routed backward's host time against the summed one's, and
+# the nodes the engine's per-call dependency pass visits for three plans (counts); the sd15 workload needs
+# diffusers and transformers
+if "$PY" -c "import diffusers, transformers" 2>/dev/null; then
+  PYTHONPATH=src "$PY" benchmarks/meta_host_time.py > "$out/meta-host-time.txt"
+  PYTHONPATH=src "$PY" benchmarks/engine_reach.py > "$out/engine-reach.txt"
+fi
 bench gan              --workload gan --threads 1 --steps 20 --warmup 3
 bench actor-critic     --workload actor-critic --steps 50 --warmup 3
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then

@@ -543,6 +543,19 @@ def test_graph_freed_in_part_fails_before_any_gradient_is_written():
     assert _untouched(tenc, unet)
 
 
+def test_graph_freed_only_where_the_first_saved_tensor_is_absent_fails_before_any_gradient_is_written():
+    """The freed nodes' first saved tensor is an optional one never defined (a layer norm without weight or
+    bias): the check looks past it."""
+    router, _, tenc, unet = _router_and_losses()
+    h = tenc(torch.randn(5, 4, dtype=D))
+    normed = nn.functional.layer_norm(h, (h.shape[1],))
+    torch.autograd.grad(normed.sum(), h)  # frees the layer norm's node only
+    out = unet(normed)
+    with pytest.raises(gradroute.GraphFreedError, match=r"a loss routed to `tenc`, `unet`: .* already freed"):
+        router.backward(tenc=out.mean(), unet=out.pow(2).mean())
+    assert _untouched(tenc, unet)
+
+
 def test_complex_loss_fails():
     router, out, tenc, unet = _router_and_losses()
     loss = torch.view_as_complex(out[:, :2].contiguous()).sum()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import gradroute
-from gradroute import _session
+from gradroute import _checkpoint, _session
 from tests._reference import assert_grads_match, reference_grads
 
 D = torch.float64
@@ -103,8 +103,10 @@ def test_concurrent_routed_backwards_and_plain_backwards_leave_nothing_behind() 
     assert not [o for o in gc.get_objects() if type(o) is _session.Session]
 
 
-def test_engine_threads_find_the_routed_call_by_graph_task() -> None:
-    """A device thread (CUDA work) has no thread-local session: it finds the call by its graph task."""
+def _device_thread_sessions(*, segment: bool) -> list[tuple[object, object]]:
+    """What ``_session.current()`` answers on a simulated device thread (no thread-local session) in the
+    unpacks of a routed backward, with the local session for comparison; ``segment``: ``b`` runs in a
+    ``gradroute.checkpoint`` segment."""
     a, b = _pair(0)
     seen: list[tuple[object, object]] = []
 
@@ -118,8 +120,27 @@ def test_engine_threads_find_the_routed_call_by_graph_task() -> None:
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(lambda x: x, unpack):
-        out = b(a(torch.randn(4, 6, dtype=D)))
+        h = a(torch.randn(4, 6, dtype=D))
+        out = gradroute.checkpoint(b, h) if segment else b(h)
     gradroute.Router(a=a, b=b).backward(a=out.pow(2).mean(), b=out.abs().mean())
-    assert len(seen) > 4
-    assert all(found is local is not None for found, local in seen)
     assert _session.current() is None
+    return seen
+
+
+def test_engine_threads_find_the_routed_call_by_graph_task() -> None:
+    """A device thread (CUDA work) has no thread-local session: while a gradroute.checkpoint segment is alive
+    (its unpacks are what asks), it finds the call by its graph task."""
+    seen = _device_thread_sessions(segment=True)
+    assert len(seen) > 2
+    assert all(found is local is not None for found, local in seen)
+
+
+def test_engine_threads_are_not_watched_without_a_live_segment() -> None:
+    """No gradroute.checkpoint segment alive anywhere: nothing would ask, so the engine calls carry no pre-hooks
+    for it (a host cost per call); the calling thread still knows its session."""
+    gc.collect()  # segments of earlier tests
+    _checkpoint.segments()  # prunes the calling thread's records of them
+    assert not _checkpoint.maybe_live(), "a segment of an earlier test is still alive"
+    seen = _device_thread_sessions(segment=False)
+    assert len(seen) > 4
+    assert all(found is None and local is not None for found, local in seen)

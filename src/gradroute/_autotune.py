@@ -292,7 +292,8 @@ class Tuner:
         return any(s.chosen is None for states in self.states.values() for s in states)
 
     def program(self, key: tuple, base: PlanOptions, routes: Sequence[Route], make: Callable[..., Program]) -> Program:
-        """The program to run now for ``routes``: ``make(options)`` with the chosen or next candidate's options.
+        """The program to run now for ``routes``: ``make(options)`` with the chosen or next candidate's options
+        (``make(options, graph)`` plans a graph already walked).
 
         ``key`` names the call shape (``base`` is part of it); the next :meth:`trial` measures this program.
         """
@@ -305,7 +306,7 @@ class Tuner:
             state = self._state(key, base, routes, program, make)
             want = state.cands[state.next()].options
             if want != options:
-                program = make(want)
+                program = make(want, program.graph)  # the same graph: not walked again
         else:
             state.signature = sig  # the cached list from now on: compared by identity
         self._trial = _NO_TRIAL if state.chosen is not None else _Trial(state, state.next(), program)
@@ -341,7 +342,7 @@ class Tuner:
             largest = max(_shared_segments(first, self.checkpoints).values(), default=0)
             # estimated peaks first: a candidate that would hold too much is not even tried (no OOM while tuning),
             # except the first, which is what the router runs without tuning
-            held = _distinct(options, make, self.checkpoints)
+            held = _distinct(options, lambda o: make(o, first.graph), self.checkpoints)
             peaks = {o: resident + max(h, largest) for o, h in held.items()}
             lowest = min(peaks.values())
             cands = [

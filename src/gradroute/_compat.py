@@ -240,8 +240,20 @@ def saved_state(item: Any) -> Literal["live", "freed", "none"]:
     """Whether a raw saved tensor still holds its value (``"live"``), was freed by a backward (``"freed"``),
     or saved None (``"none"``); its hooks do not run (see NOTE [Freed-graph probe without SavedTensor.data])."""
     if SAVED_DATA:
-        return "freed" if item.data is None and item.unpack_hook is None else "live"
+        if item.data is not None or item.unpack_hook is not None:
+            return "live"
+        return "none" if _unpacks_to_none(item) else "freed"
     return _state_by_register(item)
+
+
+def _unpacks_to_none(item: Any) -> bool:
+    """Whether an empty saved tensor is an optional tensor never defined (``unpack()`` gives None) rather than
+    one a backward released (``unpack()`` raises): with ``SavedTensor.data`` only unpacking tells them apart."""
+    try:
+        item.unpack()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _state_by_register(item: Any) -> Literal["live", "freed", "none"]:

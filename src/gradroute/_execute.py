@@ -98,7 +98,11 @@ def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
 
 
 def execute(
-    program: Program, *, accumulate: bool, remake_min_bytes: int = PlanOptions.remake_min_bytes
+    program: Program,
+    *,
+    accumulate: bool,
+    remake_min_bytes: int = PlanOptions.remake_min_bytes,
+    watch: bool = True,
 ) -> list[dict[int, torch.Tensor]]:
     """Run ``program``.
 
@@ -106,6 +110,9 @@ def execute(
         program: what ``_planner.build`` returned.
         accumulate: add into ``.grad`` (``Router.backward``); otherwise collect (``Router.grads``).
         remake_min_bytes: :attr:`gradroute.PlanOptions.remake_min_bytes`, for ``gradroute.checkpoint``.
+        watch: let autograd's device threads recognise this routed backward (``_session.Session.watch``: a
+            pre-hook on every node an engine call starts from). Only ``gradroute.checkpoint``'s unpacks ask
+            (the calling thread knows it without): the router passes False while no segment is alive.
 
     Returns:
         With ``accumulate=False``: per route, ``id(param) -> gradient``. Otherwise empty dicts.
@@ -113,10 +120,14 @@ def execute(
     nodes = program.graph.nodes
     per_call = {nodes[i] for i in program.planned.per_call}
     # the nodes the engine calls start from: how autograd's device threads recognise this routed backward
-    starts = [
-        *(t.grad_fn for r in program.routes for t in r.losses),
-        *(nodes[j] for call in program.plan.calls for j, _ in call.wiring.edges_in),
-    ]
+    starts = (
+        [
+            *(t.grad_fn for r in program.routes for t in r.losses),
+            *(nodes[j] for call in program.plan.calls for j, _ in call.wiring.edges_in),
+        ]
+        if watch
+        else []
+    )
     with routed_backward(remake_min_bytes, recompute_per_call=per_call, starts=starts):
         return _run(program, accumulate)
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from ._compat import saved_attrs
+from ._compat import saved_attrs, saved_state
 
 
 @dataclass(eq=False)
@@ -26,8 +26,10 @@ class Graph:
         leaf: node id -> the leaf tensor of an ``AccumulateGrad`` node.
         index: node -> id.
         kinds: the node classes present.
-        signature: the graph's structure as a flat list (node classes, edges, which leaves are the given
-            parameters, by identity): two graphs with equal signatures get the same plan.
+        signature: the graph's structure (where the losses enter, node classes, edges, which leaves are the
+            given parameters, by identity) as a list: two graphs with equal signatures get the same plan.
+        freed: the id of a node whose saved tensors an earlier backward released, or None (see
+            :func:`walk`); a graph with one cannot be run.
     """
 
     nodes: list[Node]
@@ -36,6 +38,7 @@ class Graph:
     index: dict[Node, int]
     signature: list
     kinds: set[type]
+    freed: int | None = None
     _topo: list[int] | None = None
 
     @property
@@ -52,9 +55,18 @@ def root_edge(tensor: torch.Tensor) -> GradientEdge:
 
 
 def walk(roots: list[Node], params: dict[int, int]) -> Graph:
-    """Collect the graph below ``roots`` with one breadth-first sweep.
+    """Collect the graph below ``roots`` with one breadth-first sweep, and find a node freed by a backward.
 
     ``params`` maps ``id(parameter)`` of the routed groups' parameters to a mark recorded in the signature.
+
+    NOTE [One walk: structure, signature and the freed check]
+    This runs on every routed backward, cache hit or not, and costs about a microsecond per node (most of it
+    torch making a Python object for each node ``next_functions`` hands out): it is the router's largest
+    fixed cost in the host-bound regime, so everything per node is done in this one loop. The freed check
+    looks only at nodes that keep tensors (their classes have saved attributes), at the first defined saved
+    tensor each holds: a non-retaining backward releases all of a node's saved tensors at once (``_released``).
+    It runs on the whole graph, so a graph freed only in part (another loss's ``.backward()`` freed the nodes
+    they share) is refused before any engine call.
     """
     index: dict[Node, int] = {}
     nodes: list[Node] = []
@@ -63,36 +75,68 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
             index[r] = len(nodes)
             nodes.append(r)
     succ: list[list[tuple[int, int]]] = []
-    sig: list = [len(roots), *(index[r] for r in roots)]
-    kinds: set[type] = set()
-    i = 0
-    while i < len(nodes):
-        node = nodes[i]
+    classes: list[type] = []
+    freed: int | None = None
+    saving = _SAVING
+    for node in nodes:  # grows while the loop runs: breadth first
         kind = type(node)
-        kinds.add(kind)
+        classes.append(kind)
         out: list[tuple[int, int]] = []
         for fn, nr in node.next_functions:
             if fn is None:
                 continue
             j = index.get(fn)
             if j is None:
-                j = len(nodes)
-                index[fn] = j
+                j = index[fn] = len(nodes)
                 nodes.append(fn)
             out.append((j, nr))
-        sig.append(kind)
-        sig.append(out)
         succ.append(out)
-        i += 1
+        names = saving.get(kind)
+        if names is None:
+            names = saving[kind] = saved_attrs(node)
+        if names and freed is None and _released(node, names):
+            freed = len(succ) - 1
     leaf: dict[int, torch.Tensor] = {}
+    marks: list[int] = []
     for i, out in enumerate(succ):
         if not out:
             var = getattr(nodes[i], "variable", None)
             if isinstance(var, torch.Tensor):
                 leaf[i] = var
-                sig.append(i)
-                sig.append(params.get(id(var), 0))
-    return Graph(nodes=nodes, succ=succ, leaf=leaf, index=index, signature=sig, kinds=kinds)
+                marks.append(i)
+                marks.append(params.get(id(var), 0))
+    sig = [[index[r] for r in roots], classes, succ, marks]
+    return Graph(nodes=nodes, succ=succ, leaf=leaf, index=index, signature=sig, kinds=set(classes), freed=freed)
+
+
+_SAVING: dict[type, tuple[str, ...]] = {}  # node class -> its raw saved-tensor attributes (empty: keeps none)
+
+
+def _released(node: Any, names: tuple[str, ...]) -> bool:
+    """Whether a backward released ``node``'s saved tensors, read from the first saved tensor it holds.
+
+    Reads the raw ``SavedTensor`` objects (``names``: ``_compat.saved_attrs``), so no saved-tensor hook (a
+    checkpoint's recomputation) runs. One with data (or a hook) is alive; an empty one is either an optional
+    tensor never defined (``unpack()`` gives None, before and after a backward: skipped) or released
+    (``unpack()`` raises); a list of saved tensors raises when read once released.
+    """
+    for name in names:
+        try:
+            item = getattr(node, name)
+        except RuntimeError:  # a released list
+            return True
+        if isinstance(item, (list, tuple)):
+            item = next((x for x in item if x is not None), None)
+        if item is None:
+            continue
+        state = saved_state(item)
+        if state == "live":
+            return False
+        if state == "freed":
+            return True
+        # an optional tensor never defined ("none"): it tells nothing either way (unlike the first probe, which
+        # stopped here and missed a released node whose first saved tensor is an absent bias)
+    return False
 
 
 def _topological(succ: list[list[tuple[int, int]]]) -> list[int]:

@@ -13,10 +13,11 @@ import torch
 from . import _checkpoint
 from ._accelerate import adopt_prepared, check_backward, link_accelerator
 from ._autotune import Autotune, Tuner
-from ._compat import SAVED_DATA, saved_items, saved_state
+from ._compat import saved_items, saved_state
 from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, live_params
 from ._execute import GraphFreedError, execute, freed_message
+from ._graph import Graph
 from ._group import Group, GroupLike
 from ._options import PlanOptions
 from ._planner import Checkpoints, Plan, PlanCache, Program, build
@@ -317,9 +318,16 @@ class Router:
         each route's own gradients); every loss's graph is checked before the first engine call."""
         with _collector_paused():
             program = self._program(routes, merge_shared=accumulate)
-            _check_graph_alive(program.graph.nodes, [r.name for r in routes])
+            if program.graph.freed is not None:  # the walk checks the whole graph (NOTE [One walk: ...])
+                losses = ", ".join(f"`{r.name}`" for r in routes)
+                raise GraphFreedError(freed_message(f"a loss routed to {losses}"))
             with self._trial():
-                out = execute(program, accumulate=accumulate, remake_min_bytes=program.options.remake_min_bytes)
+                out = execute(
+                    program,
+                    accumulate=accumulate,
+                    remake_min_bytes=program.options.remake_min_bytes,
+                    watch=_checkpoint.maybe_live(),
+                )
             del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
         return out
 
@@ -368,9 +376,14 @@ class Router:
         fsdp2 = fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
         options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
 
-        def make(options: PlanOptions) -> Program:
+        def make(options: PlanOptions, graph: Graph | None = None) -> Program:
             return build(
-                routes, merge_shared=merge_shared, options=options, cache=self._cache, checkpoints=_CHECKPOINTS
+                routes,
+                merge_shared=merge_shared,
+                options=options,
+                cache=self._cache,
+                checkpoints=_CHECKPOINTS,
+                graph=graph,
             )
 
         if self._tuner is None:
@@ -471,35 +484,6 @@ def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Ten
             if any(id(p) in reached and id(p) not in own for p in params):
                 leaks[route.name].append(name)
     return dataclasses.replace(plan, reach=reach, leaks={k: tuple(v) for k, v in leaks.items()}, others=tuple(others))
-
-
-def _check_graph_alive(nodes: Sequence[Any], names: Sequence[str]) -> None:
-    """Raise :class:`GraphFreedError` if any node of the routed graph was freed by an earlier backward.
-
-    Runs on the whole graph before the first engine call, so a graph freed only in part (another loss's
-    ``.backward()`` freed the nodes they share) is refused before any ``.grad`` is written. A non-retaining
-    backward releases all of a node's saved tensors at once, so the first saved tensor of each node tells:
-    one with data (or a saved-tensor hook, e.g. a checkpoint's) is alive; an empty one is either an optional
-    tensor that was never defined (``unpack()`` gives None, no hook runs) or released (``unpack()`` raises).
-    """
-    for node in nodes:
-        items = saved_items(node)
-        item = None if items is None else next((x for x in items if x is not None), None)
-        state = "freed" if items is None else "none" if item is None else saved_state(item)
-        if state != "freed" or (SAVED_DATA and _defined_none(item)):
-            continue
-        losses = ", ".join(f"`{n}`" for n in names)
-        raise GraphFreedError(freed_message(f"a loss routed to {losses}"))
-
-
-def _defined_none(item: Any) -> bool:
-    """Whether an empty saved tensor is an optional tensor never defined (``unpack()`` gives None) rather than
-    one a backward released (``unpack()`` raises): ``SavedTensor.data`` tells the two apart only so."""
-    try:
-        item.unpack()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:

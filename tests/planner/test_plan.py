@@ -10,6 +10,7 @@ import torch
 
 import gradroute
 from gradroute import _compat
+from gradroute._planner import PlanCache
 from gradroute.cli.data import make_batch
 from gradroute.cli.models import make_models, route_losses
 from tests._reference import assert_grads_match, reference_grads
@@ -116,6 +117,31 @@ def test_cache_misses_when_the_graph_changes():
     router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
     router.backward(a=b(a(x).relu()).sum(), b=b(a(x)).pow(2).sum())  # one more node
     assert router._cache.misses == 2 and router._cache.hits == 0
+
+
+def test_cache_keeps_each_of_two_alternating_graphs():
+    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
+    router = gradroute.Router(a=a, b=b, autotune=False)
+    x = torch.randn(2, 3, dtype=D)
+    for _ in range(3):
+        router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
+        router.backward(a=b(a(x).relu()).sum(), b=b(a(x)).pow(2).sum())  # one more node, same call shape
+    assert (router._cache.misses, router._cache.hits) == (2, 4)
+
+
+def test_cache_drops_the_least_recently_used_graph_when_full():
+    cache = PlanCache(size=2)
+    planned = [object(), object(), object()]
+    sigs = [[1], [1, 2], [1, 2, 3]]
+    cache.store(("k",), sigs[0], planned[0])  # type: ignore[arg-type]
+    cache.store(("k",), sigs[1], planned[1])  # type: ignore[arg-type]
+    assert cache.lookup(("k",), [1]) == (sigs[0], planned[0])  # now the most recently used
+    cache.store(("other",), sigs[2], planned[2])  # type: ignore[arg-type]
+    assert len(cache) == 2
+    assert cache.lookup(("k",), [1, 2]) is None
+    assert cache.lookup(("k",), [1]) == (sigs[0], planned[0])
+    assert cache.lookup(("other",), [1, 2, 3]) == (sigs[2], planned[2])
+    assert cache.lookup(("other",), [1]) is None  # another call shape
 
 
 def test_plan_suggests_gradroute_checkpoint_for_torch_checkpointed_shared_segments():

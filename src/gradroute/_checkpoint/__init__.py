@@ -9,11 +9,20 @@ User guide: docs/checkpointing.md. One mechanism per file:
 - ``_remakes.py``: the dispatch mode that records which saved tensors cheap ops made (remade tensors);
 - ``_views.py``: per-consumer views of a segment's inputs and outputs, and cut points;
 - ``_registry.py``: which sequence numbers belong to which live segment, per thread;
-- ``_queries.py``: what the planner asks (``segments``, ``held_bytes``, ``checkpoint_kind``);
+- ``_queries.py``: what the planner and the router ask (``segments``, ``held_bytes``, ``checkpoint_kind``,
+  ``maybe_live``);
 - private torch APIs: from ``gradroute._compat``, as everywhere in gradroute.
 """
 
 from ._api import checkpoint, checkpoint_modules, cut_points
-from ._queries import checkpoint_kind, held_bytes, segments
+from ._queries import checkpoint_kind, held_bytes, maybe_live, segments
 
-__all__ = ["checkpoint", "checkpoint_kind", "checkpoint_modules", "cut_points", "held_bytes", "segments"]
+__all__ = [
+    "checkpoint",
+    "checkpoint_kind",
+    "checkpoint_modules",
+    "cut_points",
+    "held_bytes",
+    "maybe_live",
+    "segments",
+]

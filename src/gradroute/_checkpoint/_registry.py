@@ -99,6 +99,12 @@ def others_have_segments() -> bool:
     return any(r is not mine and r.ranges() for r in list(_all))
 
 
+def none_recorded() -> bool:
+    """Whether no thread holds a recorded segment, live or not yet pruned: then no ``gradroute.checkpoint``
+    placeholder is alive anywhere (a live frame's range stays recorded). Cheap: no pruning, no lock."""
+    return not any(len(r) for r in list(_all))
+
+
 def merged_ranges(registries: Iterable[SegmentRegistry]) -> list[tuple[int, int]]:
     """The ranges of all ``registries``, sorted; none if two registries' ranges overlap (see NOTE [Segment
     registry per thread])."""

@@ -39,19 +39,57 @@ class Program:
 
 
 class PlanCache:
-    """The last analysis per call shape (group names, loss counts, mode, options), reused for an equal graph.
+    """The analyses of the last ``size`` graphs planned, by call shape (group names, loss counts, mode, options)
+    and signature; reused for an equal graph.
 
     Reuse is safe because the analysis is a function of the graph's signature alone (node classes, edges with
     their input slots, which leaves are which group parameters, where the losses enter): the walk that
     computes the signature runs on every call, only the analysis is skipped. Parameters are compared by
     identity; the router holds them, so their ids cannot be reused while the cache exists.
+
+    NOTE [Several graphs per call shape]
+    A call shape can alternate between graphs: a loop that switches checkpointing on and off, a model with an
+    optional branch, the bench's strategies sharing one router. Each graph keeps its own entry (up to ``size``
+    in all, the least recently used dropped first); with one entry per call shape, two alternating graphs
+    would each be analysed anew on every call. A lookup compares the signatures of the call shape's entries,
+    newest first; unequal ones usually differ in length, which list equality checks first.
     """
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
-        self.entries: dict[tuple, tuple[list, Planned]] = {}  # key -> (signature, analysis)
+        # key -> [signature, analysis, last use], most recently used first
+        self.entries: dict[tuple, list[list]] = {}
         self.hits = 0
         self.misses = 0
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return sum(len(found) for found in self.entries.values())
+
+    def lookup(self, key: tuple, signature: list) -> tuple[list, Planned] | None:
+        """The cached ``(signature, analysis)`` of an equal graph of call shape ``key``, or None (counted)."""
+        found = self.entries.get(key, ())
+        for k, entry in enumerate(found):
+            if entry[0] is signature or entry[0] == signature:
+                self._clock += 1
+                entry[2] = self._clock
+                if k:
+                    found.insert(0, found.pop(k))  # type: ignore[union-attr]
+                self.hits += 1
+                return entry[0], entry[1]
+        self.misses += 1
+        return None
+
+    def store(self, key: tuple, signature: list, planned: Planned) -> None:
+        """Keep ``planned`` for graphs of call shape ``key`` and this signature (dropping the least recently used
+        entry when full)."""
+        if len(self) >= self.size:
+            old_key, old = min(((k, e) for k, found in self.entries.items() for e in found), key=lambda ke: ke[1][2])
+            self.entries[old_key].remove(old)
+            if not self.entries[old_key]:
+                del self.entries[old_key]
+        self._clock += 1
+        self.entries.setdefault(key, []).insert(0, [signature, planned, self._clock])
 
     def clear(self) -> None:
         self.entries.clear()
@@ -64,6 +102,7 @@ def build(
     options: PlanOptions | None = None,
     cache: PlanCache | None = None,
     checkpoints: Checkpoints = NO_CHECKPOINTS,
+    graph: Graph | None = None,
 ) -> Program:
     """Walk the graph of ``routes`` and plan it (or reuse the analysis of an equal graph).
 
@@ -77,16 +116,14 @@ def build(
             end of the first engine call that computes any of them.
         cache: reuse the analysis of an earlier graph with the same signature.
         checkpoints: the live ``gradroute.checkpoint`` segments and their sizes.
+        graph: the graph of these same ``routes`` from an earlier ``build`` (planned again with other
+            ``options``: the measured choice), so that it is not walked again.
 
     Raises:
         ValueError: the graph holds a reentrant ``torch.utils.checkpoint`` segment.
     """
     root_nodes = [[root_edge(t).node for t in r.losses] for r in routes]
-    marks: dict[int, int] = {}
-    for route in routes:
-        for p in route.params:
-            marks.setdefault(id(p), len(marks) + 1)
-    g = walk([n for nodes in root_nodes for n in nodes], marks)
+    g = walk([n for nodes in root_nodes for n in nodes], _marks(routes)) if graph is None else graph
     if any(t.__name__ == "CheckpointFunctionBackward" for t in g.kinds):
         raise ValueError(
             "the losses' graph contains a reentrant torch.utils.checkpoint segment (use_reentrant=True): its "
@@ -96,9 +133,8 @@ def build(
         )
     options = options or PlanOptions()
     key = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
-    hit = cache.entries.get(key) if cache is not None else None
-    if cache is not None and hit is not None and hit[0] == g.signature:
-        cache.hits += 1
+    hit = cache.lookup(key, g.signature) if cache is not None else None
+    if hit is not None:
         g.signature = hit[0]  # equal; the cached list, so that callers can tell the entry by identity
         return Program(hit[1], g, routes, options)
     roots = [[g.index[n] for n in nodes] for nodes in root_nodes]
@@ -112,9 +148,14 @@ def build(
         checkpoints=checkpoints,
     )
     if cache is not None:
-        cache.misses += 1
-        cache.entries.pop(key, None)
-        if len(cache.entries) >= cache.size:
-            cache.entries.pop(next(iter(cache.entries)))
-        cache.entries[key] = (g.signature, planned)
+        cache.store(key, g.signature, planned)
     return Program(planned, g, routes, options)
+
+
+def _marks(routes: Sequence[Route]) -> dict[int, int]:
+    """``id(parameter) -> mark`` for the signature: which leaves are which routed parameters."""
+    marks: dict[int, int] = {}
+    for route in routes:
+        for p in route.params:
+            marks.setdefault(id(p), len(marks) + 1)
+    return marks

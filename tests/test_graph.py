@@ -1,0 +1,84 @@
+"""The graph walk: structure, signature, and the freed check it folds in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gradroute._graph import walk
+
+D = torch.float64
+
+
+def _linear_chain(x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(torch.tanh(x), torch.ones(3, x.shape[1], dtype=D))
+
+
+def _bare_layer_norm(x: torch.Tensor) -> torch.Tensor:
+    # no weight, no bias: the node's first saved tensors (alphabetical: bias) are optional ones never defined
+    return nn.functional.layer_norm(x, (x.shape[1],)) * 2
+
+
+def _checkpointed(x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(lambda t: torch.sin(t).exp(), x, use_reentrant=False)
+
+
+GRAPHS: list[Callable[[torch.Tensor], torch.Tensor]] = [_linear_chain, _bare_layer_norm, _checkpointed]
+
+
+def _leaf() -> torch.Tensor:
+    return torch.randn(4, 5, dtype=D, requires_grad=True)
+
+
+@pytest.mark.parametrize("make", GRAPHS)
+def test_live_graph_has_no_freed_node(make):
+    loss = make(_leaf()).sum()
+    g = walk([loss.grad_fn], {})
+    assert g.freed is None
+
+
+@pytest.mark.parametrize("make", GRAPHS)
+def test_graph_freed_by_a_backward_is_found(make):
+    loss = make(_leaf()).sum()
+    loss.backward()
+    g = walk([loss.grad_fn], {})
+    assert g.freed is not None
+
+
+def test_graph_freed_in_part_is_found_below_live_nodes():
+    x = _leaf()
+    h = nn.functional.layer_norm(x, (x.shape[1],))
+    # frees only the nodes between h and x (the layer norm, whose first saved tensor is an absent bias)
+    torch.autograd.grad(h.sum(), x)
+    loss = (h.exp() * 3).sum()  # live nodes above the freed ones
+    g = walk([loss.grad_fn], {})
+    assert g.freed is not None
+    assert type(g.nodes[g.freed]).__name__ == "NativeLayerNormBackward0"
+
+
+def test_freed_check_runs_no_saved_tensor_hook():
+    unpacked = []
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        unpacked.append(1)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        loss = _linear_chain(_leaf()).sum()
+    assert walk([loss.grad_fn], {}).freed is None
+    assert unpacked == []
+
+
+def test_equal_graphs_have_equal_signatures_and_others_differ():
+    x = _leaf()
+    marks = {id(x): 1}
+    first, second = (walk([_linear_chain(x).sum().grad_fn], marks) for _ in range(2))
+    other = walk([_bare_layer_norm(x).sum().grad_fn], marks)
+    unmarked = walk([_linear_chain(x).sum().grad_fn], {})
+    assert first.signature == second.signature
+    assert first.signature != other.signature
+    assert first.signature != unmarked.signature

@@ -77,7 +77,6 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     succ: list[list[tuple[int, int]]] = []
     classes: list[type] = []
     freed: int | None = None
-    saving = _SAVING
     for node in nodes:  # grows while the loop runs: breadth first
         kind = type(node)
         classes.append(kind)
@@ -91,10 +90,7 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
                 nodes.append(fn)
             out.append((j, nr))
         succ.append(out)
-        names = saving.get(kind)
-        if names is None:
-            names = saving[kind] = saved_attrs(node)
-        if names and freed is None and _released(node, names):
+        if freed is None and (names := saved_attrs(node)) and _released(node, names):
             freed = len(succ) - 1
     leaf: dict[int, torch.Tensor] = {}
     marks: list[int] = []
@@ -107,9 +103,6 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
                 marks.append(params.get(id(var), 0))
     sig = [[index[r] for r in roots], classes, succ, marks]
     return Graph(nodes=nodes, succ=succ, leaf=leaf, index=index, signature=sig, kinds=set(classes), freed=freed)
-
-
-_SAVING: dict[type, tuple[str, ...]] = {}  # node class -> its raw saved-tensor attributes (empty: keeps none)
 
 
 def _released(node: Any, names: tuple[str, ...]) -> bool:

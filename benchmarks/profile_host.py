@@ -3,6 +3,7 @@
 Usage (from the repository root)::
 
     python benchmarks/profile_host.py [--checkpointing] [--kind gradroute|cuts|blocks|torch] [--no-autotune]
+        [--static-graph]
 
 Runs the bench's ``sd-tiny`` workload at width 8, batch 1, one CPU thread (``gradroute bench --workload sd-tiny
 --width 8 --batch-size 1 --threads 1``) and prints, per routed backward (forward not included):
@@ -69,7 +70,10 @@ def _workload(args: argparse.Namespace) -> Any:
     r = Runner(wl, "fp32")
     # (a tree from before ``Router(autotune=)`` has no measured choice: ``--no-autotune`` compares to it)
     takes_autotune = "autotune" in inspect.signature(gradroute.Router).parameters
-    r.router = gradroute.Router(dict(wl.groups), **({"autotune": args.autotune} if takes_autotune else {}))
+    kwargs: dict[str, Any] = {"autotune": args.autotune} if takes_autotune else {}
+    if args.static_graph:  # ``Router(static_graph=True)``: the graph walked on every 100th backward only
+        kwargs["static_graph"] = True
+    r.router = gradroute.Router(dict(wl.groups), **kwargs)
     if args.checkpointing:
         wl.set_checkpoint(args.kind)
     return r
@@ -204,6 +208,7 @@ def main() -> None:
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--kind", default="gradroute", choices=["gradroute", "cuts", "blocks", "torch"])
     ap.add_argument("--no-autotune", dest="autotune", action="store_false")
+    ap.add_argument("--static-graph", action="store_true")
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
     r = _workload(args)
@@ -216,7 +221,10 @@ def main() -> None:
         r.zero()
         _routed(r)()
     ckpt = args.checkpointing and args.kind
-    print(f"sd-tiny width 8 batch 1, 1 thread, checkpointing {ckpt}, autotune {args.autotune}")
+    print(
+        f"sd-tiny width 8 batch 1, 1 thread, checkpointing {ckpt}, autotune {args.autotune}, "
+        f"static_graph {args.static_graph}"
+    )
     for k, v in wall(r, args.steps).items():
         print(f"  {k:45s} {v:8.3f}" + ("x" if "ratio" in k else " ms"))
     by_part, counts = profile(r, args.steps)

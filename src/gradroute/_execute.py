@@ -30,7 +30,7 @@ class GraphFreedError(RuntimeError):
         ...     gradroute.Router(tenc=tenc, unet=unet).backward(tenc=loss, unet=loss)
         ... except gradroute.GraphFreedError as e:
         ...     print(str(e).split(":")[0])
-        loss for group `tenc`
+        a loss routed to `tenc`, `unet`
     """
 
 

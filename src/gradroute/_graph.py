@@ -30,6 +30,8 @@ class Graph:
             given parameters, by identity) as a list: two graphs with equal signatures get the same plan.
         freed: the id of a node whose saved tensors an earlier backward released, or None (see
             :func:`walk`); a graph with one cannot be run.
+        located: only the nodes a cached plan needs are known (``_locate.located``): ``nodes`` holds None
+            elsewhere and ``succ``, ``index`` and ``kinds`` are empty. Nothing can be planned on it.
     """
 
     nodes: list[Node]
@@ -39,6 +41,7 @@ class Graph:
     signature: list
     kinds: set[type]
     freed: int | None = None
+    located: bool = False
     _topo: list[int] | None = None
 
     @property
@@ -64,7 +67,7 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     torch making a Python object for each node ``next_functions`` hands out): it is the router's largest
     fixed cost in the host-bound regime, so everything per node is done in this one loop. The freed check
     looks only at nodes that keep tensors (their classes have saved attributes), at the first defined saved
-    tensor each holds: a non-retaining backward releases all of a node's saved tensors at once (``_released``).
+    tensor each holds: a non-retaining backward releases all of a node's saved tensors at once (``released``).
     It runs on the whole graph, so a graph freed only in part (another loss's ``.backward()`` freed the nodes
     they share) is refused before any engine call.
     """
@@ -90,7 +93,7 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
                 nodes.append(fn)
             out.append((j, nr))
         succ.append(out)
-        if freed is None and (names := saved_attrs(node)) and _released(node, names):
+        if freed is None and (names := saved_attrs(node)) and released(node, names):
             freed = len(succ) - 1
     leaf: dict[int, torch.Tensor] = {}
     marks: list[int] = []
@@ -105,7 +108,7 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     return Graph(nodes=nodes, succ=succ, leaf=leaf, index=index, signature=sig, kinds=set(classes), freed=freed)
 
 
-def _released(node: Any, names: tuple[str, ...]) -> bool:
+def released(node: Any, names: tuple[str, ...]) -> bool:
     """Whether a backward released ``node``'s saved tensors, read from the first saved tensor it holds.
 
     Reads the raw ``SavedTensor`` objects (``names``: ``_compat.saved_attrs``), so no saved-tensor hook (a
@@ -129,6 +132,21 @@ def _released(node: Any, names: tuple[str, ...]) -> bool:
             return True
         # an optional tensor never defined ("none"): it tells nothing either way (unlike the first probe, which
         # stopped here and missed a released node whose first saved tensor is an absent bias)
+    return False
+
+
+def reaches(g: Graph, starts: list[int], target: int) -> bool:
+    """Whether node ``target`` is reachable from any of the nodes ``starts`` (ids in ``g``)."""
+    seen = set(starts)
+    frontier = list(starts)
+    while frontier:
+        i = frontier.pop()
+        if i == target:
+            return True
+        for j, _ in g.succ[i]:
+            if j not in seen:
+                seen.add(j)
+                frontier.append(j)
     return False
 
 

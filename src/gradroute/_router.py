@@ -13,11 +13,10 @@ import torch
 from . import _checkpoint
 from ._accelerate import adopt_prepared, check_backward, link_accelerator
 from ._autotune import Autotune, Tuner
-from ._compat import saved_items, saved_state
 from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, live_params
 from ._execute import GraphFreedError, execute, freed_message
-from ._graph import Graph
+from ._graph import Graph, reaches, root_edge
 from ._group import Group, GroupLike
 from ._options import PlanOptions
 from ._planner import Checkpoints, Plan, PlanCache, Program, build
@@ -68,6 +67,15 @@ class Router:
             fastest within a memory tolerance (:class:`gradroute.Autotune`; ``True``: its defaults). Only graphs
             with ``gradroute.checkpoint`` segments that several engine calls enter have more than one
             candidate; :meth:`plan` says what was chosen. ``False``: always ``plan_options``.
+        static_graph: promise that the losses' autograd graph has the same structure on every backward with
+            the same group names (as DDP's ``static_graph``): from the third such backward on, the router no
+            longer walks the whole graph (about a microsecond per node, the largest fixed cost of a routed
+            backward when tensors are small) but follows the paths to the few nodes its plan starts from,
+            checking each node's class on the way. ``True`` walks and checks the whole graph again on every
+            100th backward, an int ``n`` on every ``n``-th; a graph found changed raises RuntimeError before any
+            ``.grad`` is touched. A change off those paths between two checks goes unseen and routes wrong
+            gradients: leave it off (the default) for a graph that can change from step to step. See
+            docs/performance.md.
         **named_groups: groups by keyword.
 
     Example:
@@ -94,6 +102,7 @@ class Router:
         atomic_step: bool = True,
         accelerator: Any = None,
         autotune: bool | Autotune = True,
+        static_graph: bool | int = False,
         **named_groups: GroupLike,
     ) -> None:
         specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
@@ -119,7 +128,7 @@ class Router:
             raise TypeError(f"`autotune` must be a bool or a gradroute.Autotune, got {type(autotune).__name__}")
         self._tuner = None if settings is None else Tuner(settings, _CHECKPOINTS)
         # room for every candidate's program of two call shapes
-        self._cache = PlanCache(size=8 if settings is None else 16)
+        self._cache = PlanCache(size=8 if settings is None else 16, static_graph=_check_static_graph(static_graph))
         self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
         if self._accelerator is not None:
             scaler = self._accelerator.scaler
@@ -317,10 +326,7 @@ class Router:
         """Plan and run ``routes`` (:meth:`backward` accumulates and merges shared routes; :meth:`grads` collects
         each route's own gradients); every loss's graph is checked before the first engine call."""
         with _collector_paused():
-            program = self._program(routes, merge_shared=accumulate)
-            if program.graph.freed is not None:  # the walk checks the whole graph (NOTE [One walk: ...])
-                losses = ", ".join(f"`{r.name}`" for r in routes)
-                raise GraphFreedError(freed_message(f"a loss routed to {losses}"))
+            program = self._program(routes, merge_shared=accumulate, static=True)
             with self._trial():
                 out = execute(
                     program,
@@ -366,15 +372,17 @@ class Router:
                         f"{label} does not require grad: it was computed without autograd "
                         "(under torch.no_grad(), from detached tensors, or from frozen parameters)"
                     )
-                _check_not_freed(t, label)
             routes.append(Route(name=name, losses=tensors, params=live_params(group.params)))
         return routes
 
-    def _program(self, routes: list[Route], *, merge_shared: bool) -> Program:
+    def _program(self, routes: list[Route], *, merge_shared: bool, static: bool = False) -> Program:
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
         # them: keep each pass through it in one call
         fsdp2 = fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
         options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
+
+        # a static graph is followed, not walked, once nothing is being measured (NOTE [Static graphs])
+        static = static and not self.autotuning
 
         def make(options: PlanOptions, graph: Graph | None = None) -> Program:
             return build(
@@ -384,6 +392,7 @@ class Router:
                 cache=self._cache,
                 checkpoints=_CHECKPOINTS,
                 graph=graph,
+                static=static,
             )
 
         if self._tuner is None:
@@ -391,6 +400,7 @@ class Router:
         else:
             shape = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
             program = self._tuner.program(shape, options, routes, make)
+        _check_not_freed(program)
         bad = [n for n in program.unreached if n not in self._allow_unreached]
         if bad:
             raise ValueError(
@@ -427,6 +437,17 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _check_static_graph(value: Any) -> int:
+    """``static_graph`` as every how many backwards the whole graph is checked (0: off)."""
+    if isinstance(value, bool):
+        return 100 if value else 0
+    if not isinstance(value, int):
+        raise TypeError(f"`static_graph` must be a bool or an int, got {type(value).__name__} ({value!r})")
+    if value < 1:
+        raise ValueError(f"`static_graph` must be True, False or an int >= 1 (check every n-th backward), got {value}")
+    return value
 
 
 def _check_allow_unreached(value: Any, groups: Mapping[str, Group]) -> set[str]:
@@ -486,33 +507,19 @@ def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Ten
     return dataclasses.replace(plan, reach=reach, leaks={k: tuple(v) for k, v in leaks.items()}, others=tuple(others))
 
 
-def _check_not_freed(t: torch.Tensor, label: str, probe: int = 16) -> None:
-    """Raise a plain error if the graph below ``t`` was freed by an earlier backward.
+def _check_not_freed(program: Program) -> None:
+    """Raise :class:`GraphFreedError` naming the losses whose graphs reach the node the walk found freed.
 
-    Looks at the raw saved tensors of the first ``probe`` nodes below ``t`` without unpacking them (unpacking
-    would run saved-tensor hooks, e.g. a checkpoint's recomputation). A non-retaining backward empties them
-    all; a live graph has some defined one near the loss. A graph freed only in part is reported by the
-    engine, which ``_execute`` turns into the same error.
+    The walk checks the whole graph once (NOTE [One walk: structure, signature and the freed check]); only
+    when it found a freed node are the losses' graphs searched, for the message.
     """
-    fn = t.grad_fn
-    if fn is None:
+    g = program.graph
+    if g.freed is None:
         return
-    frontier = [fn]
-    seen = {fn}
-    freed = 0
-    while frontier and len(seen) <= probe:
-        node = frontier.pop(0)
-        items = saved_items(node)
-        if items is None:  # torch reports it freed
-            raise GraphFreedError(freed_message(label))
-        for item in items:
-            state = "none" if item is None else saved_state(item)
-            if state == "live":
-                return
-            freed += state == "freed"
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                seen.add(nxt)
-                frontier.append(nxt)
-    if freed:
-        raise GraphFreedError(freed_message(label))
+    names = [r.name for r in program.routes]
+    if not g.located:  # a located graph has no edges to search
+        names = [r.name for r in program.routes if reaches(g, [g.index[root_edge(t).node] for t in r.losses], g.freed)]
+    what = (
+        f"loss for group `{names[0]}`" if len(names) == 1 else "a loss routed to " + ", ".join(f"`{n}`" for n in names)
+    )
+    raise GraphFreedError(freed_message(what))

@@ -206,3 +206,21 @@ def test_generated_graphs_every_autotune_candidate_exact(case, options):
 @given(cases())
 def test_generated_graphs_exact_many(case):
     _check(case)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(cases(), checkpointed_cases()))
+def test_generated_graphs_static_graph_exact(case):
+    """``Router(static_graph=...)``: the backwards that follow paths to the plan's nodes instead of walking the
+    graph route as exactly as the walked ones."""
+    forward, groups, params = _build(case)
+    names = [name for name in forward() if name in groups]
+    expected = reference_grads(forward, groups, names=names)
+    router = gradroute.Router(groups, allow_unreached=True, autotune=False, static_graph=3)
+    for _ in range(4):  # walked and planned, walked and confirmed, then located twice
+        for p in params:
+            p.grad = None
+        router.backward({name: loss for name, loss in forward().items() if name in groups})
+        assert_grads_match(params, expected, rtol=1e-9, atol=1e-12)
+    assert router._cache.located == 2
+    gc.collect()

@@ -10,7 +10,7 @@ import torch
 from gradroute.cli.main import main
 
 TINY_BENCH = ["--batch-size", "2", "--steps", "2", "--warmup", "0", "--device", "cpu"]
-EXACT = ("retain_twice", "freeze", "two_forward", "pruned", "cut", "gradroute")
+EXACT = ("retain_twice", "freeze", "two_forward", "pruned", "cut", "gradroute", "gradroute_static")
 ALL = ("sum", "no_retain", *EXACT)
 
 

@@ -27,6 +27,8 @@ class Runner:
         self.down_params = wl.params(wl.down_name)
         self.all_params = list(dict.fromkeys(self.up_params + self.down_params))
         self.router = gradroute.Router(dict(wl.groups))
+        # a router of its own: the other gradroute strategies switch the checkpoint kind, so their graphs change
+        self.static_router = gradroute.Router(dict(wl.groups), static_graph=True)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -70,14 +72,15 @@ class Runner:
         if not strategy.startswith("gradroute"):
             return None
         self.prepare(strategy)
+        router = self.static_router if strategy == "gradroute_static" else self.router
         for _ in range(limit):
             self.zero()
             self.step(strategy)
-            if not self.router.autotuning:
+            if not router.autotuning:
                 break
         self.zero()
         _, loss_up, loss_down = self.forward()
-        notes = self.router.plan(**{self.wl.up_name: loss_up, self.wl.down_name: loss_down}).notes
+        notes = router.plan(**{self.wl.up_name: loss_up, self.wl.down_name: loss_down}).notes
         return next((n for n in notes if n.startswith("autotune")), None)
 
     def reference(self) -> dict[str, list[torch.Tensor]]:

@@ -1,0 +1,100 @@
+"""Finding the few nodes a cached plan starts from in a new graph of the same structure, without walking it all.
+
+Only ``Router(static_graph=True)`` uses this; see NOTE [Static graphs] in ``_planner/program.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import Node
+
+from ._compat import saved_attrs
+from ._graph import Graph, released
+
+_PROBE = 4  # nodes the freed check of a located graph reads
+
+
+@dataclass(frozen=True)
+class Paths:
+    """How to reach chosen nodes of any graph of one signature from its roots, and what to check on the way.
+
+    Attributes:
+        roots: per root (in the order given to the walk), its node id and class.
+        steps: ``(node id, parent id, position in the parent's next_functions, class)``, parents first: each
+            node is the first through which the walk found it, so the paths are the shortest.
+        saved: the ids of the first few nodes on the paths (closest to the roots) that keep tensors: the freed
+            check looks at these only (a second backward of the same losses freed them all).
+        size: the number of nodes of the graph.
+    """
+
+    roots: tuple[tuple[int, type], ...]
+    steps: tuple[tuple[int, int, int, type], ...]
+    saved: tuple[int, ...]
+    size: int
+
+
+def paths(g: Graph, roots: Sequence[Node], wanted: Iterable[int]) -> Paths:
+    """The paths from ``roots`` (the nodes ``g`` was walked from) to the nodes ``wanted`` of ``g``."""
+    root_ids = {g.index[r] for r in roots}
+    parent: dict[int, int] = {}
+    for i, out in enumerate(g.succ):  # ids are in breadth-first order: the first parent seen is the walk's
+        for j, _ in out:
+            if j not in parent and j not in root_ids:
+                parent[j] = i
+    on_path: set[int] = set()
+    for j in wanted:
+        while j not in on_path and j not in root_ids:
+            on_path.add(j)
+            j = parent[j]
+    steps = []
+    for j in sorted(on_path):  # a parent's id is below its children's
+        i = parent[j]
+        pos = next(k for k, (fn, _) in enumerate(g.nodes[i].next_functions) if fn is g.nodes[j])
+        steps.append((j, i, pos, type(g.nodes[j])))
+    reached = [*root_ids, *on_path]
+    return Paths(
+        roots=tuple((g.index[r], type(r)) for r in roots),
+        steps=tuple(steps),
+        saved=tuple(j for j in sorted(reached) if saved_attrs(g.nodes[j]))[:_PROBE],
+        size=len(g.nodes),
+    )
+
+
+def follow(p: Paths, roots: Sequence[Node]) -> list[Node | None] | None:
+    """The nodes on the paths of ``p`` in the graph below ``roots``, by id (None elsewhere), or None where a node
+    on the way has another class than in the graph ``p`` was made from (the graph changed)."""
+    nodes: list[Node | None] = [None] * p.size
+    for (i, kind), root in zip(p.roots, roots):
+        if type(root) is not kind:
+            return None
+        nodes[i] = root
+    try:
+        for j, i, pos, kind in p.steps:
+            node = nodes[i].next_functions[pos][0]  # type: ignore[union-attr]
+            if type(node) is not kind:
+                return None
+            nodes[j] = node  # type: ignore[call-overload]
+    except IndexError:  # fewer next functions than in the graph the paths were made from
+        return None
+    return nodes
+
+
+def located(p: Paths, roots: Sequence[Node], signature: list, leaf: dict[int, torch.Tensor]) -> Graph | None:
+    """A graph holding only the nodes on the paths of ``p`` (and ``leaf``), with the cached ``signature``; its
+    ``freed`` is a node on the paths an earlier backward freed. None where the graph changed on the way."""
+    nodes = follow(p, roots)
+    if nodes is None:
+        return None
+    return Graph(
+        nodes=nodes,  # type: ignore[arg-type]
+        succ=[],
+        leaf=leaf,
+        index={},
+        signature=signature,
+        kinds=set(),
+        freed=next((j for j in p.saved if released(nodes[j], saved_attrs(nodes[j]))), None),
+        located=True,
+    )

@@ -1,0 +1,139 @@
+"""``Router(static_graph=...)``: later backwards follow paths to the plan's nodes instead of walking the graph.
+
+Every routed gradient is compared with a fresh forward and ``torch.autograd.grad`` per loss; the counters of the
+router's plan cache only show which path a backward took (walked or located).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradroute
+from gradroute._graph import walk
+from gradroute._locate import follow, paths
+from tests._reference import assert_grads_match, reference_grads
+
+D = torch.float64
+
+
+def _nets() -> tuple[nn.Module, nn.Module]:
+    tenc = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6)).to(D)
+    unet = nn.Sequential(nn.Linear(6, 6), nn.SiLU(), nn.Linear(6, 3)).to(D)
+    return tenc, unet
+
+
+def _forward(tenc: nn.Module, unet: nn.Module, ckpt: str = "none", branch: bool = False):
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+    target = torch.linspace(0, 1, 15, dtype=D).reshape(5, 3)
+    mask = (torch.arange(15).reshape(5, 3) % 2).to(D)
+
+    def run() -> dict[str, torch.Tensor]:
+        h = tenc(x)
+        if branch:
+            h = h.sin()  # another graph below the losses
+        out = gradroute.checkpoint(unet, h) if ckpt == "gradroute" else unet(h)
+        loss = (out - target).pow(2)
+        return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
+
+    return run
+
+
+def _params(*modules: nn.Module) -> list[torch.Tensor]:
+    return [p for m in modules for p in m.parameters()]
+
+
+@pytest.mark.parametrize("ckpt", ["none", "gradroute"])
+@pytest.mark.parametrize("every", [True, 2, 3])
+def test_static_graph_routes_exactly_on_walked_and_located_backwards(ckpt, every):
+    tenc, unet = _nets()
+    forward = _forward(tenc, unet, ckpt)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(forward, groups)
+    router = gradroute.Router(tenc=tenc, unet=unet, static_graph=every)
+    steps = after = 0
+    while after < 6:  # nothing is located while the measured choice measures
+        for p in _params(tenc, unet):
+            p.grad = None
+        router.backward(**forward())
+        assert_grads_match(_params(tenc, unet), expected, rtol=1e-10, atol=1e-12)
+        steps += 1
+        after += not router.autotuning
+        assert steps < 50
+    assert router._cache.located > 0  # some were located, not walked
+
+
+def test_static_graph_grads_exact_and_grad_untouched():
+    tenc, unet = _nets()
+    forward = _forward(tenc, unet)
+    router = gradroute.Router(tenc=tenc, unet=unet, static_graph=True)
+    for _ in range(4):
+        out = router.grads(**forward())
+        for name, module in (("tenc", tenc), ("unet", unet)):
+            ref = torch.autograd.grad(forward()[name], list(module.parameters()))
+            for g, r in zip(out[name], ref):
+                torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    assert all(p.grad is None for p in _params(tenc, unet))
+    assert router._cache.located == 2
+
+
+@pytest.mark.parametrize("every", [2, 100])
+def test_static_graph_changed_graph_fails_before_any_gradient_is_written(every):
+    """Found by the periodic walk (``every=2``: this backward walks) or on the paths (``every=100``: the new
+    ``sin`` node sits on the path from the losses to the cut)."""
+    tenc, unet = _nets()
+    router = gradroute.Router(tenc=tenc, unet=unet, static_graph=every)
+    for _ in range(3):
+        router.backward(**_forward(tenc, unet)())
+    for p in _params(tenc, unet):
+        p.grad = None
+    with pytest.raises(RuntimeError, match=r"`static_graph` was set, but the autograd graph of the losses routed to"):
+        router.backward(**_forward(tenc, unet, branch=True)())
+    assert all(p.grad is None for p in _params(tenc, unet))
+
+
+def test_static_graph_loss_backpropagated_twice_fails_before_any_gradient_is_written():
+    tenc, unet = _nets()
+    forward = _forward(tenc, unet)
+    router = gradroute.Router(tenc=tenc, unet=unet, static_graph=True)
+    for _ in range(2):
+        router.backward(**forward())
+    losses = forward()
+    router.backward(**losses)  # located
+    before = [p.grad.clone() for p in _params(tenc, unet)]
+    with pytest.raises(gradroute.GraphFreedError, match=r"a loss routed to `tenc`, `unet`: .* already freed"):
+        router.backward(**losses)
+    for p, b in zip(_params(tenc, unet), before):
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
+
+
+def test_static_graph_off_by_default_walks_every_backward():
+    tenc, unet = _nets()
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    for branch in (False, True, False, True):  # a graph that changes is fine without the promise
+        router.backward(**_forward(tenc, unet, branch=branch)())
+    assert router._cache.located == 0
+
+
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-3, ValueError), ("yes", TypeError), (2.5, TypeError)])
+def test_static_graph_bad_value_fails(value, error):
+    with pytest.raises(error, match=r"`static_graph` must be"):
+        gradroute.Router(a=nn.Linear(2, 2), static_graph=value)
+
+
+def test_follow_finds_the_same_nodes_in_a_new_graph_and_refuses_another():
+    tenc, unet = _nets()
+    losses = _forward(tenc, unet)()
+    roots = [losses["tenc"].grad_fn, losses["unet"].grad_fn]
+    g = walk(roots, {})
+    wanted = [len(g.nodes) - 1, len(g.nodes) // 2]
+    p = paths(g, roots, wanted)
+    again = _forward(tenc, unet)()
+    g2 = walk([again["tenc"].grad_fn, again["unet"].grad_fn], {})
+    found = follow(p, [again["tenc"].grad_fn, again["unet"].grad_fn])
+    assert found is not None
+    for j in wanted:
+        assert found[j] is g2.nodes[j]
+    other = _forward(tenc, unet, branch=True)()
+    assert follow(p, [other["tenc"].grad_fn, other["unet"].grad_fn]) is None

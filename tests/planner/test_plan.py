@@ -59,6 +59,9 @@ def test_tenc_unet_plan_cuts_at_text_encoder_output(tenc_unet_setup):
     retaining = [c for c in plan.calls if c.retain]
     assert len(retaining) == 1 and retaining[0].params == 0 and retaining[0].groups == ("tenc",)
     assert plan.calls[-1].edges_in == retaining[0].edges_out
+    # the text encoder's output reaches the cross-attention projections through a view each: cut once, at
+    # the tensor, as a hand cut does (NOTE [Stateless nodes at a cut])
+    assert retaining[0].edges_out == 1
     n_tenc = len(list(tenc.parameters()))
     n_unet = len(list(unet.parameters()))
     assert sum(c.params for c in plan.calls if c.groups == ("tenc",)) == n_tenc

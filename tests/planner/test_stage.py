@@ -16,6 +16,7 @@ from gradroute._planner.numbering import (
     freeing,
     ladder,
     number_stages,
+    pull_stateless,
 )
 from gradroute._planner.order import last_use, order_passes
 from gradroute._planner.passes import merge_routes
@@ -97,6 +98,24 @@ def test_a_stage_of_stateless_nodes_only_folds_into_the_next() -> None:
     assert fold_stateless_stages({0: F0, 1: R1, 2: F2}, {0}) == {0: R1, 1: R1, 2: F2}
     assert fold_stateless_stages({0: F0, 1: R1, 2: F2}, {1}) == {0: F0, 1: F2, 2: F2}
     assert fold_stateless_stages({0: F0, 1: F2}, {0}) == {0: F0, 1: F2}  # no stage R1 to fold into
+
+
+def test_the_views_of_one_tensor_move_up_so_that_one_edge_is_cut() -> None:
+    # ops a, b, c (R1) each send gradient through a view (F2) into t (F2): three cut edges, one once pulled
+    a, b, c, va, vb, vc, t = range(7)
+    g = graph({a: [va], b: [vb], c: [vc], va: [t], vb: [t], vc: [t]}, {}, views=[va, vb, vc])
+    stage = {a: R1, b: R1, c: R1, va: F2, vb: F2, vc: F2, t: F2}
+    pulled = pull_stateless(g, range(7), stage, {va, vb, vc}, {})
+    assert pulled == {**stage, va: R1, vb: R1, vc: R1}
+    assert pull_stateless(g, range(7), stage, {va, vb, vc}, dict.fromkeys((va, vb, vc), F2)) == stage  # bounds
+
+
+def test_a_stateless_node_that_would_cut_more_edges_stays() -> None:
+    # a (R1) -> add (F2) -> t1, t2 (F2): pulled up, the add would leave two cut edges instead of one
+    a, add, t1, t2 = range(4)
+    g = graph({a: [add], add: [t1, t2]}, {}, views=[add])
+    stage = {a: R1, add: F2, t1: F2, t2: F2}
+    assert pull_stateless(g, range(4), stage, {add}, {}) == stage
 
 
 def test_a_node_feeding_a_capture_from_a_later_stage_is_a_conflict_resolved_by_merging() -> None:

@@ -143,3 +143,60 @@ def fold_stateless_stages(stage: Mapping[int, Stage], stateless: Collection[int]
                 out[i] = after
             members[after].extend(members.pop(s))
     return out
+
+
+def pull_stateless(
+    g: Graph,
+    members: Sequence[int],
+    stage: Mapping[int, Stage],
+    stateless: Collection[int],
+    lower: Mapping[int, Stage],
+) -> dict[int, Stage]:
+    """Move stateless nodes up into their predecessors' stage where that leaves fewer gradient edges cut.
+
+    NOTE [Stateless nodes at a cut]
+    A tensor consumed by several ops reaches each through a view or a transpose: its gradient comes back in
+    as many edges, which the engine sums into one. Numbered as late as possible, those stateless nodes land
+    in the later call, and the cut runs above them: the earlier call captures one gradient per consumer and
+    hands each to the later one (five for the text encoder's output in the demo's UNet). Run in the earlier
+    call instead, they leave one edge, as a hand cut at the tensor does: one captured gradient held between
+    the calls instead of one per consumer, and one hand-off. A node moves unless that cuts more distinct
+    edges (``(node, input slot)``), to the latest stage of its predecessors (and
+    not below its ``lower`` bound): the numbering stays monotone, and a stateless node may run in a call of
+    either kind. Ties move too: the first of a tensor's consumers to move cuts as many edges as before, the
+    others then fewer.
+
+    Args:
+        members: the pass's nodes, in topological order (predecessors first).
+        stage: each member's stage.
+        stateless: the members that keep no tensors.
+        lower: node -> the lowest stage it may get.
+    """
+    out = dict(stage)
+    preds: dict[int, list[tuple[int, int]]] = {}
+    crossing: dict[tuple[int, int], int] = {}  # (node, input slot) -> edges into it from an earlier stage
+    for i in members:
+        for j, nr in g.succ[i]:
+            if j in out:
+                preds.setdefault(j, []).append((i, nr))
+                if out[j] > out[i]:
+                    crossing[j, nr] = crossing.get((j, nr), 0) + 1
+    for i in members:
+        if i not in stateless or i not in preds:
+            continue
+        s = out[i]
+        to = max(max(out[p] for p, _ in preds[i]), lower.get(i, FIRST))
+        if to >= s:
+            continue
+        gained = {(j, nr) for j, nr in g.succ[i] if j in out and not crossing.get((j, nr))}
+        lost = {(i, nr) for p, nr in preds[i] if out[p] < s} - {(i, nr) for p, nr in preds[i] if out[p] < to}
+        if len(gained) > len(lost):  # a tie moves too: the consumers of one tensor move one by one
+            continue
+        for p, nr in preds[i]:
+            if to <= out[p] < s:
+                crossing[i, nr] -= 1
+        for j, nr in g.succ[i]:
+            if j in out and out[j] <= s:  # not crossing before (out[j] >= s): crossing now
+                crossing[j, nr] = crossing.get((j, nr), 0) + 1
+        out[i] = to
+    return out

@@ -9,7 +9,7 @@ from .._graph import Graph, stateless
 from .conflicts import resolve
 from .masks import bits
 from .needs import Needs
-from .numbering import FIRST, Stage, chunk_start, fold_stateless_stages, ladder, number_stages
+from .numbering import FIRST, Stage, chunk_start, fold_stateless_stages, ladder, number_stages, pull_stateless
 from .plan import Call, Wiring
 
 
@@ -124,11 +124,17 @@ def _number(
             g, members, retained, free, needed, late=how == "late", lower=lower if how == "chunks" else {}
         )
         numbered = fold_stateless_stages(numbered, free)
-        numbered = resolve(g, numbered, targets, retained, free, move=how == "chunks")
-        n_kept = sum(1 for i, v in numbered.items() if v.retain and not retained[i] and i not in free)
-        if best is None or n_kept < best[0]:
-            best = (n_kept, numbered)
-        if n_kept == 0:
+        pulled = pull_stateless(g, members, numbered, free, lower if how == "chunks" else {})
+        # the numbering as it was is resolved too only if the pulled one keeps nodes (NOTE [Stateless nodes at
+        # a cut]): moving nodes can make a cut that resolving must merge
+        for candidate in (pulled, numbered) if pulled != numbered else (numbered,):
+            done = resolve(g, candidate, targets, retained, free, move=how == "chunks")
+            n_kept = sum(1 for i, v in done.items() if v.retain and not retained[i] and i not in free)
+            if best is None or n_kept < best[0]:
+                best = (n_kept, done)
+            if n_kept == 0:
+                break
+        if best is not None and best[0] == 0:
             break
     assert best is not None  # the loop runs at least twice
     return best[1], best[0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -55,10 +55,12 @@ class _Handoff:
     value is kept (it is added to the gradient), so a hook that scales or negates its input stays exact.
     """
 
+    # the placeholders' 0-d zeros, per dtype and device: never written (only expanded views reach the engine)
+    zeros: ClassVar[dict[tuple[torch.dtype, torch.device], torch.Tensor]] = {}
+
     def __init__(self) -> None:
         self.slots: dict[Node, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.handles: list[Any] = []
-        self.zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def hand_off(self, node: Node, nr: int, grads: list[torch.Tensor | None], i: int) -> torch.Tensor:
         """Move ``grads[i]`` (set to None there) into the slot of input ``nr`` of ``node``; returns the placeholder
@@ -82,7 +84,6 @@ class _Handoff:
             h.remove()
         self.handles.clear()
         self.slots.clear()
-        self.zeros.clear()
 
 
 def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -14,7 +14,7 @@ from torch.autograd.graph import Node
 from ._compat import saved_attrs
 from ._graph import Graph, released
 
-_PROBE = 4  # nodes the freed check of a located graph reads
+_PROBE = 2  # nodes the freed check of a located graph reads
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ class _Entry:
     paths: Paths | None = None
     leaves: tuple[tuple[int, int], ...] = ()
     since_walk: int = 0
+    leaf: tuple[Sequence[torch.Tensor], dict[int, torch.Tensor]] = ((), {})
 
 
 class PlanCache:
@@ -263,7 +264,9 @@ def _locate(entry: _Entry, roots: Sequence[Node], by_mark: Sequence[torch.Tensor
     """The graph below ``roots`` as far as ``entry``'s plan needs it, or None where it differs on the paths."""
     if entry.paths is None:
         return None
-    return located(entry.paths, roots, entry.signature, {j: by_mark[m - 1] for j, m in entry.leaves})
+    if entry.leaf[0] is not by_mark:  # the same list while the routes' parameters are (PlanCache.marks)
+        entry.leaf = (by_mark, {j: by_mark[m - 1] for j, m in entry.leaves})
+    return located(entry.paths, roots, entry.signature, entry.leaf[1])
 
 
 def _changed(routes: Sequence[Route]) -> str:

@@ -21,7 +21,7 @@ DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").g
 
 #: python blocks executed, per file (in order, one namespace per file)
 BLOCKS_RUN = {
-    "README.md": 4,
+    "README.md": 5,
     "docs/checkpointing.md": 1,
     "docs/distributed.md": 0,
     "docs/integrations.md": 0,  # excerpts of scripts that tests/integration runs (and checks them against)

@@ -2,6 +2,7 @@
 
     python benchmarks/meta_host_time.py                         # SD-1.5, batch 8, 512 px, cut points
     python benchmarks/meta_host_time.py --kind gradroute --batch-size 32
+    python benchmarks/meta_host_time.py --static-graph                          # Router(static_graph=True)
 
 Builds the bench's ``sd15`` workload on ``meta`` with checkpointing (``--kind``: ``cuts``, ``gradroute``,
 ``blocks`` or ``torch``, as ``benchmarks/trace_memory.py``), then for ``Router(autotune=False)`` and for the
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--kind", default="cuts", choices=("cuts", "gradroute", "blocks", "torch"))
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--static-graph", action="store_true", help="Router(static_graph=True): no walk after two")
     args = p.parse_args()
     torch.set_num_threads(1)
     wl = workloads.build("sd15", batch_size=args.batch_size, device="meta", checkpointing=True)
@@ -37,7 +39,7 @@ def main() -> None:
     clock = time.thread_time
     with fused_attention(True):
         for autotune in (False, True):
-            router = gradroute.Router(**wl.groups, autotune=autotune)
+            router = gradroute.Router(**wl.groups, autotune=autotune, static_graph=args.static_graph)
             tuning = 0
             while True:
                 router.backward(**wl.forward()[1])
@@ -59,7 +61,8 @@ def main() -> None:
             plan = router.plan(**wl.forward()[1])
             r, s = statistics.median(routed), statistics.median(summed)
             print(
-                f"{args.kind}, autotune {autotune} ({tuning} backwards until chosen): {len(plan.calls)} engine calls, "
+                f"{args.kind}, autotune {autotune}, static_graph {args.static_graph} ({tuning} backwards until "
+                f"chosen): {len(plan.calls)} engine calls, "
                 f"{plan.graph_nodes} nodes; routed {r * 1e3:.0f} ms, summed {s * 1e3:.0f} ms CPU: {r / s:.2f}x"
             )
             if autotune:

@@ -1,0 +1,73 @@
+"""On the ``meta`` device, how much host work any exact route does beyond the summed backward: the hand cut.
+
+    python benchmarks/meta_floor.py [--batch-size 8] [--steps 3]
+
+SD-1.5 (the bench's ``sd15`` workload, 512 px, no checkpointing) on ``meta``: every op runs torch's Python meta
+function and no kernel, so a backward's CPU time counts its ops. Times, interleaved step by step (CPU time of the
+calling thread, medians): the summed backward (wrong gradients: the floor), the hand-written ``cut``
+(``grad(loss_tenc, hidden, retain_graph=True)``, ``loss_unet`` into the UNet, ``hidden`` into the text encoder:
+the fewest ops of an exact route, one extra input-gradient chain through the UNet), and ``Router.backward``
+without and with ``static_graph``. The ratio to the summed backward that no exact strategy beats is cut's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import gradroute
+from gradroute.cli import workloads
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    wl = workloads.build("sd15", batch_size=args.batch_size, device="meta", checkpointing=False)
+    up, down = wl.up_name, wl.down_name
+    routers = {"gradroute": gradroute.Router(**wl.groups), "static": gradroute.Router(**wl.groups, static_graph=True)}
+
+    def cut() -> Callable[[], None]:
+        h = wl.up(wl.batch)
+        losses = wl.down(wl.batch, h, (up, down))
+
+        def run() -> None:
+            (g,) = torch.autograd.grad(losses[up], h, retain_graph=True)
+            losses[down].backward(inputs=wl.params(down))
+            h.backward(g, inputs=wl.params(up))
+
+        return run
+
+    def summed() -> Callable[[], None]:
+        losses = wl.forward()[1]
+        return lambda: (losses[up] + losses[down]).backward()
+
+    def routed(name: str) -> Callable[[], None]:
+        losses = wl.forward()[1]
+        return lambda: routers[name].backward(**losses)
+
+    makes = {"sum": summed, "cut": cut, **{k: (lambda k=k: routed(k)) for k in routers}}
+    times: dict[str, list[float]] = {k: [] for k in makes}
+    for step in range(args.steps + 2):  # two untimed: the routers walk twice before static_graph follows paths
+        for name, make in makes.items():
+            for m in wl.groups.values():
+                m.zero_grad(set_to_none=True)
+            run = make()
+            t = time.thread_time()
+            run()
+            if step >= 2:
+                times[name].append(time.thread_time() - t)
+            del run
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in med.items():
+        print(f"{k:10s} {v * 1e3:8.0f} ms (backward)  {v / med['sum']:.3f}x sum  {v / med['cut']:.3f}x cut")
+
+
+if __name__ == "__main__":
+    main()

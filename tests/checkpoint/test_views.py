@@ -159,3 +159,21 @@ def test_cut_points_let_diffusers_per_layer_segments_share_one_recomputation(mon
         h.remove()
     notes = gradroute.Router(tenc=tenc, unet=unet).plan(**forward()).notes
     assert any("recomputed once per call" in n for n in notes), notes  # without them: torch's plan
+
+
+def test_every_segment_tensor_in_an_ops_arguments_gets_a_view_of_its_own():
+    """In a tuple, a list (``torch.cat``), keyword arguments and a named tuple: each occurrence its own node."""
+    from collections import namedtuple
+
+    from gradroute._checkpoint._views import _own_views, consumer_views
+
+    x = consumer_views(torch.randn(2, 3, requires_grad=True))
+    pair = namedtuple("pair", "a b")
+    args = (x, [x, 2.0], {"other": x, "n": 3}, pair(x, None), torch.ones(1), "s")
+    out = _own_views(args)
+    found = [out[0], *out[1][:1], out[2]["other"], out[3].a]
+    assert all(type(t) is torch.Tensor for t in found)  # plain tensors: the ops return plain ones
+    assert len({t.grad_fn for t in found}) == 4  # a view each
+    assert all(torch.equal(t, x) for t in found)
+    assert out[1][1] == 2.0 and out[2]["n"] == 3 and out[3].b is None and out[4] is args[4] and out[5] == "s"
+    assert type(out[3]) is pair

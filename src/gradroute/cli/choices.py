@@ -10,17 +10,7 @@ CHECKPOINTING = ("sd-tiny", "sd15")
 DEFAULT_BATCH = {"sd-tiny": 16, "gan": 64, "actor-critic": 256, "sd15": 8}
 
 #: ``gradroute bench --strategies``, always available (see ``gradroute.cli.bench.strategies``)
-STRATEGIES = (
-    "sum",
-    "no_retain",
-    "retain_twice",
-    "freeze",
-    "two_forward",
-    "pruned",
-    "cut",
-    "gradroute",
-    "gradroute_static",
-)
+STRATEGIES = ("sum", "no_retain", "retain_twice", "freeze", "two_forward", "pruned", "cut", "gradroute")
 #: with ``--checkpointing`` only: strategy -> the checkpoint kind the workload switches to
 #: (see ``Workload.set_checkpoint``)
 CKPT_STRATEGIES = {"gradroute_ckpt": "gradroute", "gradroute_blocks": "blocks", "gradroute_cuts": "cuts"}

@@ -114,6 +114,12 @@ def _add_bench(sub: Any) -> None:
         "--no-memory", action="store_true", help="skip the peak-memory measurement (on CPU: a process each)"
     )
     bench.add_argument(
+        "--static-graph",
+        action="store_true",
+        help="every gradroute strategy with a Router(static_graph=True) of its own (the graph walked on the "
+        "first two backwards and every 100th only)",
+    )
+    bench.add_argument(
         "--compile",
         choices=COMPILE_BACKENDS,
         default=None,

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+import gradroute
+
 from ..._compile import CompileStats, compile_module
 from .measure import measure
 from .runner import Runner
@@ -43,8 +45,13 @@ class CompiledRunner(Runner):
         return stats
 
     def _switch(self, on: bool) -> None:
+        self._on = on
         for m, impl in self._compiled.items():
             m._compiled_call_impl = impl if on else None
+
+    def router_for(self, strategy: str) -> gradroute.Router:
+        # the compiled form's graph differs from the eager one's: a static router each
+        return super().router_for(strategy + SUFFIX if getattr(self, "_on", False) else strategy)
 
     def prepare(self, strategy: str) -> None:
         name, on = split(strategy)

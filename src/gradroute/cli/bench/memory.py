@@ -72,6 +72,8 @@ def _child_argv(args: argparse.Namespace, dtype: str, strategy: str) -> list[str
         argv += ["--latent-size", str(args.latent_size)]
     if args.checkpointing:
         argv.append("--checkpointing")
+    if args.static_graph:
+        argv.append("--static-graph")
     return argv
 
 

@@ -19,16 +19,25 @@ from .strategies import STRATEGY_FNS
 class Runner:
     """A workload with its router and precision: runs one step (forward + backward) of a strategy."""
 
-    def __init__(self, wl: Workload, dtype: str) -> None:
+    def __init__(self, wl: Workload, dtype: str, static_graph: bool = False) -> None:
         self.wl = wl
         self.dtype = dtype
         self.device = next(wl.up_module.parameters()).device
         self.up_params = wl.params(wl.up_name)
         self.down_params = wl.params(wl.down_name)
         self.all_params = list(dict.fromkeys(self.up_params + self.down_params))
-        self.router = gradroute.Router(dict(wl.groups))
-        # a router of its own: the other gradroute strategies switch the checkpoint kind, so their graphs change
-        self.static_router = gradroute.Router(dict(wl.groups), static_graph=True)
+        self.static_graph = static_graph
+        self.router = gradroute.Router(dict(wl.groups), static_graph=static_graph)
+        self._routers = {"gradroute": self.router}
+
+    def router_for(self, strategy: str) -> gradroute.Router:
+        """The router of a ``gradroute*`` strategy: one for all, or with ``static_graph`` one each (each
+        strategy's checkpoint kind makes a graph of its own, and a static router holds one per call shape)."""
+        if not self.static_graph:
+            return self.router
+        if strategy not in self._routers:
+            self._routers[strategy] = gradroute.Router(dict(self.wl.groups), static_graph=True)
+        return self._routers[strategy]
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -72,7 +81,7 @@ class Runner:
         if not strategy.startswith("gradroute"):
             return None
         self.prepare(strategy)
-        router = self.static_router if strategy == "gradroute_static" else self.router
+        router = self.router_for(strategy)
         for _ in range(limit):
             self.zero()
             self.step(strategy)
@@ -112,7 +121,7 @@ class Runner:
             width=args.width,
             latent_size=args.latent_size,
         )
-        return cls(wl, bench_dtype(args.dtype, dev))
+        return cls(wl, bench_dtype(args.dtype, dev), static_graph=args.static_graph)
 
 
 def bench_dtype(spec: str, dev: torch.device) -> str:

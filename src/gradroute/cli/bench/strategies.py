@@ -17,8 +17,6 @@
 * ``cut`` -- a hand cut at the boundary: ``grad(loss_up, boundary, retain_graph=True)``, ``loss_down`` into
   the downstream group, then the boundary gradient into the upstream group.
 * ``gradroute`` -- ``Router.backward(up=loss_up, down=loss_down)``.
-* ``gradroute_static`` -- the same with a router of its own made with ``static_graph=True``: the graph is
-  walked on the first backwards and every 100th, the plan's nodes found by following paths in between.
 * ``gradroute_ckpt`` -- with ``--checkpointing`` only: the same with ``gradroute.checkpoint`` as both
   networks' checkpoint function (one recomputation per segment for all engine calls), where the other
   strategies use ``torch.utils.checkpoint`` (non-reentrant).
@@ -35,6 +33,7 @@ The three checkpointing strategies run ``gradroute``'s function; what differs is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -110,14 +109,9 @@ def _cut(r: Runner) -> None:
     h.backward(g_h, inputs=r.up_params)
 
 
-def _gradroute(r: Runner) -> None:
+def _gradroute(r: Runner, strategy: str = "gradroute") -> None:
     _, lu, ld = r.forward()
-    r.router.backward(**{r.wl.up_name: lu, r.wl.down_name: ld})
-
-
-def _gradroute_static(r: Runner) -> None:
-    _, lu, ld = r.forward()
-    r.static_router.backward(**{r.wl.up_name: lu, r.wl.down_name: ld})
+    r.router_for(strategy).backward(**{r.wl.up_name: lu, r.wl.down_name: ld})
 
 
 #: strategy name (``STRATEGIES`` and ``CKPT_STRATEGIES`` in ``gradroute.cli.choices``) -> its step
@@ -130,6 +124,5 @@ STRATEGY_FNS: dict[str, Callable[[Runner], None]] = {
     "pruned": _pruned,
     "cut": _cut,
     "gradroute": _gradroute,
-    "gradroute_static": _gradroute_static,
-    **dict.fromkeys(CKPT_STRATEGIES, _gradroute),
+    **{s: functools.partial(_gradroute, strategy=s) for s in CKPT_STRATEGIES},
 }

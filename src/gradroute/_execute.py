@@ -174,7 +174,7 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
             res[i] = None
         grads = res[len(edges_out) :]
         del res  # the engine steals what nothing else references
-        if accumulate:
+        if accumulate and targets:
             _accumulate([nodes[j] for j in w.targets], targets, grads)
         else:
             for i, r in enumerate(w.target_routes):

@@ -64,6 +64,8 @@ class Session:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if not self._tasks:
+            return
         with _lock:
             for task in self._tasks:
                 if _by_task.get(task) is self:

@@ -431,6 +431,9 @@ class Stepper:
 
 def _loss_value(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     """The detached sum of a route's loss tensors, in at least float32 (no host sync)."""
+    if len(losses) == 1:  # one copy (the usual case)
+        t = losses[0].detach().reshape(())
+        return t.to(torch.promote_types(t.dtype, torch.float32), copy=True)
     total = torch.zeros((), dtype=torch.float32, device=losses[0].device)
     for t in losses:
         total = total + t.detach().reshape(()).to(total.device)

@@ -110,6 +110,16 @@ def test_the_views_of_one_tensor_move_up_so_that_one_edge_is_cut() -> None:
     assert pull_stateless(g, range(7), stage, {va, vb, vc}, dict.fromkeys((va, vb, vc), F2)) == stage  # bounds
 
 
+def test_a_stateless_node_moves_only_into_a_stage_that_has_a_call() -> None:
+    # v's predecessor a is at F0, its chunk starts at R1, which has no node: a move there (a tie: b's edge into t
+    # is cut already) would add an engine call
+    a, b, v, t = range(4)
+    g = graph({a: [v], b: [t], v: [t]}, {}, views=[v])
+    stage = {a: F0, b: F0, v: F2, t: F2}
+    assert pull_stateless(g, range(4), stage, {v}, {v: R1}) == stage
+    assert pull_stateless(g, range(4), stage, {v}, {}) == {**stage, v: F0}
+
+
 def test_a_stateless_node_that_would_cut_more_edges_stays() -> None:
     # a (R1) -> add (F2) -> t1, t2 (F2): pulled up, the add would leave two cut edges instead of one
     a, add, t1, t2 = range(4)

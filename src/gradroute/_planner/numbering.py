@@ -161,10 +161,10 @@ def pull_stateless(
     hands each to the later one (five for the text encoder's output in the demo's UNet). Run in the earlier
     call instead, they leave one edge, as a hand cut at the tensor does: one captured gradient held between
     the calls instead of one per consumer, and one hand-off. A node moves unless that cuts more distinct
-    edges (``(node, input slot)``), to the latest stage of its predecessors (and
-    not below its ``lower`` bound): the numbering stays monotone, and a stateless node may run in a call of
-    either kind. Ties move too: the first of a tensor's consumers to move cuts as many edges as before, the
-    others then fewer.
+    edges (``(node, input slot)``), to the latest stage of its predecessors, which has a call already (not
+    if that is below its ``lower`` bound): the numbering stays monotone, no call is added, and a stateless
+    node may run in a call of either kind. Ties move too: the first of a tensor's consumers to move cuts as
+    many edges as before, the others then fewer.
 
     Args:
         members: the pass's nodes, in topological order (predecessors first).
@@ -185,8 +185,8 @@ def pull_stateless(
         if i not in stateless or i not in preds:
             continue
         s = out[i]
-        to = max(max(out[p] for p, _ in preds[i]), lower.get(i, FIRST))
-        if to >= s:
+        to = max(out[p] for p, _ in preds[i])  # a predecessor's stage: it has a call already
+        if to >= s or to < lower.get(i, FIRST):
             continue
         gained = {(j, nr) for j, nr in g.succ[i] if j in out and not crossing.get((j, nr))}
         lost = {(i, nr) for p, nr in preds[i] if out[p] < s} - {(i, nr) for p, nr in preds[i] if out[p] < to}

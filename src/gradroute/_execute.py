@@ -137,7 +137,7 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
     nodes, leaf = program.graph.nodes, program.graph.leaf
     carried: dict[tuple[int, int, int], torch.Tensor] = {}  # (pass, node, input slot) -> captured gradient
     collected: list[dict[int, torch.Tensor]] = [{} for _ in program.routes]
-    for call in program.plan.calls:
+    for c, call in enumerate(program.plan.calls):
         w = call.wiring
         outputs: list[torch.Tensor | GradientEdge] = []
         grad_outputs: list[torch.Tensor] = []
@@ -145,7 +145,7 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
             t = program.routes[r].losses[k]
             outputs.append(t)
             grad_outputs.append(torch.ones_like(t))
-        targets = [leaf[j] for j in w.targets]
+        targets = program.targets[c] if program.targets is not None else tuple(leaf[j] for j in w.targets)
         handoff = _Handoff()
         try:
             for j, nr in w.edges_in:
@@ -224,7 +224,7 @@ def _compact(g: torch.Tensor | None) -> torch.Tensor | None:
     return g.clone(memory_format=torch.contiguous_format)
 
 
-def _accumulate(accumulators: list[Node], params: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+def _accumulate(accumulators: list[Node], params: Sequence[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
     """Add captured parameter gradients into ``.grad`` through the parameters' ``AccumulateGrad`` nodes.
 
     A call that captures gradient edges cannot also accumulate (``autograd.grad`` captures instead), so its

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import Node, get_gradient_edge
 
 from ._compat import saved_attrs, saved_state
 
@@ -52,9 +52,10 @@ class Graph:
         return self._topo
 
 
-def root_edge(tensor: torch.Tensor) -> GradientEdge:
-    """The gradient edge a backward from ``tensor`` starts at (its ``grad_fn``, or its ``AccumulateGrad``)."""
-    return get_gradient_edge(tensor)
+def root_node(tensor: torch.Tensor) -> Node:
+    """The node a backward from ``tensor`` starts at: its ``grad_fn``, or a leaf's ``AccumulateGrad``."""
+    fn = tensor.grad_fn
+    return fn if fn is not None else get_gradient_edge(tensor).node
 
 
 def walk(roots: list[Node], params: dict[int, int]) -> Graph:

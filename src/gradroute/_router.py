@@ -16,7 +16,7 @@ from ._autotune import Autotune, Tuner
 from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, live_params
 from ._execute import GraphFreedError, execute, freed_message
-from ._graph import Graph, reaches, root_edge
+from ._graph import Graph, reaches, root_node
 from ._group import Group, GroupLike
 from ._options import PlanOptions
 from ._planner import Checkpoints, Plan, PlanCache, Program, build
@@ -518,7 +518,7 @@ def _check_not_freed(program: Program) -> None:
         return
     names = [r.name for r in program.routes]
     if not g.located:  # a located graph has no edges to search
-        names = [r.name for r in program.routes if reaches(g, [g.index[root_edge(t).node] for t in r.losses], g.freed)]
+        names = [r.name for r in program.routes if reaches(g, [g.index[root_node(t)] for t in r.losses], g.freed)]
     what = (
         f"loss for group `{names[0]}`" if len(names) == 1 else "a loss routed to " + ", ".join(f"`{n}`" for n in names)
     )

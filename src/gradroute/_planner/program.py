@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import Node
 
-from .._graph import Graph, root_edge, walk
+from .._graph import Graph, root_node, walk
 from .._locate import Paths, located, paths
 from .._options import PlanOptions
 from .._types import Route
@@ -25,12 +25,15 @@ class Program:
         graph: the losses' graph.
         routes: the routes, in the caller's order.
         options: the options it was planned with (the executor reads ``remake_min_bytes``).
+        targets: per call, the parameters it accumulates into, when known already (a static graph's); else
+            the executor reads them off ``graph.leaf``.
     """
 
     planned: Planned
     graph: Graph
     routes: Sequence[Route]
     options: PlanOptions = field(default_factory=PlanOptions)
+    targets: tuple[tuple[torch.Tensor, ...], ...] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -53,7 +56,8 @@ class _Entry:
     paths: Paths | None = None
     leaves: tuple[tuple[int, int], ...] = ()
     since_walk: int = 0
-    leaf: tuple[Sequence[torch.Tensor], dict[int, torch.Tensor]] = ((), {})
+    # the parameters by mark these were made from, the leaf map, and per call its parameters
+    leaf: tuple[Sequence[torch.Tensor], dict[int, torch.Tensor], tuple[tuple[torch.Tensor, ...], ...]] = ((), {}, ())
 
 
 class PlanCache:
@@ -181,7 +185,7 @@ def build(
         ValueError: the graph holds a reentrant ``torch.utils.checkpoint`` segment.
         RuntimeError: with ``static``, the graph differs from the one confirmed for this call shape.
     """
-    roots = [root_edge(t).node for r in routes for t in r.losses]
+    roots = [root_node(t) for r in routes for t in r.losses]
     options = options or PlanOptions()
     key = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
     static = static and cache is not None and cache.static_graph > 0 and graph is None
@@ -191,7 +195,7 @@ def build(
         if entry is not None:
             found = _locate(entry, roots, cache.marks(routes)[1])
             if found is not None:
-                return Program(entry.planned, found, routes, options)
+                return Program(entry.planned, found, routes, options, targets=entry.leaf[2])
         confirmed = cache.confirmed(key)
     g = walk(roots, cache.marks(routes)[0] if cache else _marks(routes)) if graph is None else graph
     if any(t.__name__ == "CheckpointFunctionBackward" for t in g.kinds):
@@ -209,7 +213,7 @@ def build(
         if static:
             _confirm(hit, g, roots)
         return Program(hit.planned, g, routes, options)
-    root_ids = [[g.index[root_edge(t).node] for t in r.losses] for r in routes]
+    root_ids = [[g.index[root_node(t)] for t in r.losses] for r in routes]
     planned = analyse(
         g,
         [r.name for r in routes],
@@ -265,7 +269,9 @@ def _locate(entry: _Entry, roots: Sequence[Node], by_mark: Sequence[torch.Tensor
     if entry.paths is None:
         return None
     if entry.leaf[0] is not by_mark:  # the same list while the routes' parameters are (PlanCache.marks)
-        entry.leaf = (by_mark, {j: by_mark[m - 1] for j, m in entry.leaves})
+        leaf = {j: by_mark[m - 1] for j, m in entry.leaves}
+        per_call = tuple(tuple(leaf[j] for j in c.wiring.targets) for c in entry.planned.plan.calls)
+        entry.leaf = (by_mark, leaf, per_call)
     return located(entry.paths, roots, entry.signature, entry.leaf[1])
 
 

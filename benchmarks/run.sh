@@ -14,6 +14,10 @@ bench sd-tiny-ckpt     --workload sd-tiny --checkpointing --steps 20 --warmup 3
 # host-bound: tiny tensors, per-op and per-engine-call host work dominates (a GPU at a fine-tuning batch is too)
 bench sd-tiny-host      --workload sd-tiny --width 8 --batch-size 1 --threads 1 --steps 30 --warmup 3
 bench sd-tiny-host-ckpt --workload sd-tiny --width 8 --batch-size 1 --threads 1 --steps 30 --warmup 3 --checkpointing
+bench sd-tiny-host-static --workload sd-tiny --width 8 --batch-size 1 --threads 1 --steps 30 --warmup 3 --static-graph
+# the same steps in CPU time (robust to other processes), every gradroute strategy with and without static_graph
+PYTHONPATH=src "$PY" benchmarks/host_step.py > "$out/host-step.txt"
+PYTHONPATH=src "$PY" benchmarks/host_step.py --checkpointing --steps 40 > "$out/host-step-ckpt.txt"
 # where the host time of a routed backward goes there (CPU time per part, cProfile, counts)
 for a in "" "--checkpointing" "--checkpointing --no-autotune" "--checkpointing --kind torch"; do
   PYTHONPATH=src "$PY" benchmarks/profile_host.py $a --steps 30
@@ -24,6 +28,8 @@ done > "$out/profile-host.txt"
 if "$PY" -c "import diffusers, transformers" 2>/dev/null; then
   PYTHONPATH=src "$PY" benchmarks/meta_host_time.py > "$out/meta-host-time.txt"
   PYTHONPATH=src "$PY" benchmarks/engine_reach.py > "$out/engine-reach.txt"
+  # the floor of an exact route there: the hand-written cut against the summed backward (no checkpointing)
+  PYTHONPATH=src "$PY" benchmarks/meta_floor.py > "$out/meta-floor.txt"
 fi
 bench gan              --workload gan --threads 1 --steps 20 --warmup 3
 bench actor-critic     --workload actor-critic --steps 50 --warmup 3

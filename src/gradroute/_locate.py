@@ -1,6 +1,6 @@
 """Finding the few nodes a cached plan starts from in a new graph of the same structure, without walking it all.
 
-Only ``Router(static_graph=True)`` uses this; see NOTE [Static graphs] in ``_planner/program.py``.
+Only ``Router(static_graph=True)`` uses this; see NOTE [Static graphs] in ``_planner/cache.py``.
 """
 
 from __future__ import annotations

@@ -12,14 +12,16 @@ planner] in ``build.py``):
 * ``schedule.py`` -- the passes' calls interleaved;
 * ``per_call.py`` -- the checkpoint segments better recomputed once per call;
 * ``describe.py`` -- the public :class:`Plan` (``plan.py``);
-* ``build.py`` runs the steps; ``program.py`` walks the graph, caches the analysis, and makes the program.
+* ``build.py`` runs the steps; ``program.py`` walks the graph (or follows a static one's paths) and makes the
+  program; ``cache.py`` keeps the analyses, and a static graph's paths.
 
 Nothing here imports the checkpoint module: its segments come in through :class:`Checkpoints`.
 """
 
 from .build import NO_CHECKPOINTS, Checkpoints, Planned, analyse
+from .cache import PlanCache
 from .plan import Call, Plan, Wiring
-from .program import PlanCache, Program, build
+from .program import Program, build
 
 __all__ = [
     "NO_CHECKPOINTS",

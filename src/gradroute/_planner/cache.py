@@ -94,12 +94,12 @@ class PlanCache:
         self.entries.clear()
 
     def marks(self, routes: Sequence[Route]) -> tuple[dict[int, int], list[torch.Tensor]]:
-        """:func:`_marks` of ``routes`` and the parameters by mark (mark ``m`` at ``m - 1``), kept for the last
+        """:func:`param_marks` of ``routes`` and the parameters by mark (mark ``m`` at ``m - 1``), kept for the last
         parameter tuples seen (compared by identity: the router passes its groups' own tuples, so a loop gets
         the same ones every call)."""
         params, marks, by_mark = self._marks
         if len(params) != len(routes) or any(p is not r.params for p, r in zip(params, routes)):
-            marks = _marks(routes)
+            marks = param_marks(routes)
             by_param = {id(p): p for r in routes for p in r.params}
             by_mark = [by_param[i] for i in marks]  # marks count up in insertion order
             self._marks = (tuple(r.params for r in routes), marks, by_mark)
@@ -175,7 +175,7 @@ def _record_paths(entry: _Entry, g: Graph, roots: Sequence[Node]) -> None:
     entry.paths = paths(g, roots, _wanted(entry.planned))
 
 
-def _marks(routes: Sequence[Route]) -> dict[int, int]:
+def param_marks(routes: Sequence[Route]) -> dict[int, int]:
     """``id(parameter) -> mark`` for the signature: which leaves are which routed parameters."""
     marks: dict[int, int] = {}
     for route in routes:

@@ -12,7 +12,7 @@ from .._graph import Graph, root_node, walk
 from .._options import PlanOptions
 from .._types import Route
 from .build import NO_CHECKPOINTS, Checkpoints, Planned, analyse
-from .cache import PlanCache
+from .cache import PlanCache, param_marks
 from .plan import Plan
 
 
@@ -76,7 +76,8 @@ def build(
         ValueError: the graph holds a reentrant ``torch.utils.checkpoint`` segment.
         RuntimeError: with ``static``, the graph differs from the one confirmed for this call shape.
     """
-    roots = [root_node(t) for r in routes for t in r.losses]
+    route_roots = [[root_node(t) for t in r.losses] for r in routes]
+    roots = [n for nodes in route_roots for n in nodes]
     options = options or PlanOptions()
     key = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
     static = static and cache is not None and cache.static_graph > 0 and graph is None
@@ -88,7 +89,8 @@ def build(
             if found is not None:
                 return Program(entry.planned, found, routes, options, targets=entry.leaf[2])
         confirmed = cache.confirmed(key)
-    g = walk(roots, (cache or PlanCache()).marks(routes)[0]) if graph is None else graph
+    marks = cache.marks(routes)[0] if cache is not None else param_marks(routes)
+    g = walk(roots, marks) if graph is None else graph
     if any(t.__name__ == "CheckpointFunctionBackward" for t in g.kinds):
         raise ValueError(
             "the losses' graph contains a reentrant torch.utils.checkpoint segment (use_reentrant=True): its "
@@ -104,7 +106,7 @@ def build(
         if static and cache is not None:
             cache.confirm(hit, g, roots)
         return Program(hit.planned, g, routes, options)
-    root_ids = [[g.index[root_node(t)] for t in r.losses] for r in routes]
+    root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
     planned = analyse(
         g,
         [r.name for r in routes],

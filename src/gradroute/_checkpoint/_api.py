@@ -193,7 +193,7 @@ def _run_forward(
     # a compiled function cannot take the views' subclass (and is one autograd node: one edge per input anyway)
     fn_compiled = compiled(fn)
     args, kwargs = tree_map(plain if fn_compiled else consumer_views, (args, kwargs))
-    frame.compiled = fn_compiled or compiled(fn, inside=True)
+    frame.fn, frame.compiled = fn, True if fn_compiled else None  # a compiled submodule: looked up when asked
     frame.args = list(args)
     tensors = []
     for pos, a in enumerate(args):

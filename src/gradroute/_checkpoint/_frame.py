@@ -30,6 +30,7 @@ import torch
 from .._compat import CheckpointError
 from ._placeholder import Placeholder, value_version
 from ._remakes import DataKey, Pending, RemakeRecorder, data_key
+from ._views import compiled
 
 
 class _RecomputationComplete(Exception):
@@ -67,7 +68,8 @@ class Frame:
         forward_done: the original forward has returned; ``ignore_mismatch``: a backward ran inside it.
         saved_bytes: what the segment's nodes saved in the forward; ``saved_by``: the same per saving node,
             by its sequence number (``held_bytes`` on torch without ``SavedTensor.data``, see ``_queries``).
-        compiled: runs torch.compile'd code: no remakes (their dispatch mode would recompile it).
+        fn, compiled: the segment's function; whether it runs torch.compile'd code (None: not looked up yet,
+            see :meth:`runs_compiled`).
         registry: the segment registry of the thread that ran the forward.
     """
 
@@ -87,7 +89,16 @@ class Frame:
         self.ignore_mismatch = False
         self.saved_bytes = 0
         self.saved_by: dict[int, list[int]] = {}
-        self.compiled = False
+        self.fn: Any = None
+        self.compiled: bool | None = False
+
+    def runs_compiled(self) -> bool:
+        """Whether the segment runs torch.compile'd code (then no remakes: their dispatch mode would recompile
+        it). Looked up on first use: walking a module's submodules costs more than a small segment's forward,
+        and only a recomputation large enough for remakes asks."""
+        if self.compiled is None:
+            self.compiled = compiled(self.fn, inside=True)
+        return self.compiled
 
     def inputs(self) -> list[Any]:
         """The segment's positional arguments, tensors included."""

@@ -69,7 +69,7 @@ class ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
 def _unpack_shared(frame: Frame, p: Placeholder, session: Any) -> torch.Tensor:
     """One recomputation for all engine calls of the routed backward ``session``."""
     if session not in frame.done:
-        remakes = not frame.compiled and frame.saved_bytes >= session.remake_min_bytes
+        remakes = frame.saved_bytes >= session.remake_min_bytes and not frame.runs_compiled()
         frame.recompute(session, shared=remakes)
         session.on_exit.append(_forgetter(frame, session))
     x = _take(p, session)

@@ -79,15 +79,14 @@ def live_params(params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     Raises:
         RuntimeError: DTensor parameters with a torch whose FSDP2 internals gradroute does not know.
     """
-    dtensor = _dtensor_type()
-    if dtensor is None or not any(isinstance(p, dtensor) for p in params):
+    if not has_dtensor(params):
         return params
     mapping = _fsdp_params()
     if mapping is None:
         raise RuntimeError(_FSDP_INTERNALS)
     out = []
     for p in params:
-        fp = mapping.get(id(p)) if isinstance(p, dtensor) else None
+        fp = mapping.get(id(p))  # keyed by live sharded parameters: no other tensor's id
         if fp is None:
             out.append(p)
             continue
@@ -95,6 +94,13 @@ def live_params(params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         # before the first forward there is no unsharded parameter yet (and no graph that could reach it)
         out.append(unsharded if unsharded is not None else p)
     return tuple(out)
+
+
+def has_dtensor(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``params`` is a DTensor (fixed for given tensors: :func:`live_params` is needed for those
+    only)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in params)
 
 
 def fsdp2_unsharded(routes: Sequence[Route], params: Mapping[str, tuple[torch.Tensor, ...]]) -> bool:

@@ -14,7 +14,7 @@ from . import _checkpoint
 from ._accelerate import adopt_prepared, check_backward, link_accelerator
 from ._autotune import Autotune, Tuner
 from ._compile import plan_note
-from ._distributed import fsdp2_unsharded, live_params
+from ._distributed import fsdp2_unsharded, has_dtensor, live_params
 from ._execute import GraphFreedError, execute, freed_message
 from ._graph import Graph, reaches, root_node
 from ._group import Group, GroupLike
@@ -143,6 +143,8 @@ class Router:
         )
         for name, group in self._groups.items():
             group.name = name
+        # the groups whose parameters FSDP2 may have sharded: only theirs are looked up on every backward
+        self._sharded = {name for name, group in self._groups.items() if has_dtensor(group.params)}
 
     # ------------------------------------------------------------------ public API
 
@@ -372,7 +374,8 @@ class Router:
                         f"{label} does not require grad: it was computed without autograd "
                         "(under torch.no_grad(), from detached tensors, or from frozen parameters)"
                     )
-            routes.append(Route(name=name, losses=tensors, params=live_params(group.params)))
+            params = live_params(group.params) if name in self._sharded else group.params
+            routes.append(Route(name=name, losses=tensors, params=params))
         return routes
 
     def _program(self, routes: list[Route], *, merge_shared: bool, static: bool = False) -> Program:

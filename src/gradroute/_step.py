@@ -217,7 +217,9 @@ class Stepper:
         """The backward of ``routes`` is done: keep its loss values for the stats; ``step()`` may follow."""
         for name, value in self._pending.items():
             prev = self._losses.get(name)
-            self._losses[name] = value if prev is None else prev.to(value.device) + value
+            if prev is not None:
+                value = (prev if prev.device == value.device else prev.to(value.device)) + value
+            self._losses[name] = value
         self._pending = {}
         self._phase = _Phase.BACKWARD
 
@@ -431,9 +433,11 @@ class Stepper:
 
 def _loss_value(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     """The detached sum of a route's loss tensors, in at least float32 (no host sync)."""
-    if len(losses) == 1:  # one copy (the usual case)
-        t = losses[0].detach().reshape(())
-        return t.to(torch.promote_types(t.dtype, torch.float32), copy=True)
+    if len(losses) == 1:  # one op (the usual case): a copy, or the cast that makes one
+        t = losses[0].detach()
+        if t.dim():
+            t = t.reshape(())
+        return t.to(torch.float32) if t.element_size() < 4 else t.clone()  # promoted to float32 at least
     total = torch.zeros((), dtype=torch.float32, device=losses[0].device)
     for t in losses:
         total = total + t.detach().reshape(()).to(total.device)

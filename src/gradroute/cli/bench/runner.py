@@ -31,12 +31,12 @@ class Runner:
         self._routers = {"gradroute": self.router}
 
     def router_for(self, strategy: str) -> gradroute.Router:
-        """The router of a ``gradroute*`` strategy: one for all, or with ``static_graph`` one each (each
-        strategy's checkpoint kind makes a graph of its own, and a static router holds one per call shape)."""
-        if not self.static_graph:
-            return self.router
+        """The router of a ``gradroute*`` strategy, one each, as each training loop has its own: a strategy's
+        measured plan choice is measured on its own steps (on ``sd-tiny`` the checkpointed strategies make the
+        same graph, which one shared router measured once), and a static router holds one graph per call
+        shape."""
         if strategy not in self._routers:
-            self._routers[strategy] = gradroute.Router(dict(self.wl.groups), static_graph=True)
+            self._routers[strategy] = gradroute.Router(dict(self.wl.groups), static_graph=self.static_graph)
         return self._routers[strategy]
 
     @contextlib.contextmanager

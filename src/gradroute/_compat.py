@@ -357,9 +357,9 @@ def target_schema(target: Any) -> Any | None:
     return getattr(target, "_schema", None)
 
 
-def disable_torch_function_subclass() -> Any:
-    """Context manager: ``__torch_function__`` of tensor subclasses off (plain ``torch.Tensor`` behaviour)."""
-    return torch._C.DisableTorchFunctionSubclass()
+#: context manager (the class itself: no Python call around it, it runs once per op on a segment's tensors):
+#: ``__torch_function__`` of tensor subclasses off (plain ``torch.Tensor`` behaviour)
+disable_torch_function_subclass: Any = torch._C.DisableTorchFunctionSubclass
 
 
 def is_optimized_module(fn: Any) -> bool:

@@ -28,21 +28,30 @@ class SegmentTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        # once per op on the tensor: kept short (its cost is most of gradroute.checkpoint's in a small forward)
         with disable_torch_function_subclass():
-            if func not in _ON_THE_TENSOR and getattr(func, "__name__", "") != "__get__" and torch.is_grad_enabled():
-                args = _own_views(args)
-                kwargs = _own_views(kwargs) if kwargs else kwargs
-            return func(*args, **kwargs)
+            if func in _ON_THE_TENSOR or getattr(func, "__name__", "") == "__get__" or not torch.is_grad_enabled():
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if kwargs:
+                return func(*_own_views(args), **_own_views(kwargs))
+            return func(*_own_views(args))
 
 
-# methods that act on the tensor itself, not ops that consume it (a hook on a fresh view would never fire)
+# methods that act on the tensor itself, not ops that consume it (a hook on a fresh view would never fire), and
+# metadata reads (a view would be made for nothing)
 _ON_THE_TENSOR = frozenset(
     {
         torch.Tensor.register_hook,
         torch.Tensor.retain_grad,
         torch.Tensor.register_post_accumulate_grad_hook,
         torch.Tensor.requires_grad_,
+        torch.Tensor.dim,
+        torch.Tensor.size,
+        torch.Tensor.numel,
+        torch.Tensor.stride,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.element_size,
     }
 )
 
@@ -60,7 +69,9 @@ def _own_views(x: Any) -> Any:
     """
     kind = type(x)
     if kind is tuple or kind is list:
-        return kind(_own_views(v) for v in x)
+        return kind([_own_views(v) for v in x])
+    if kind is SegmentTensor:
+        return x.view_as(x)
     if kind is dict:
         return {k: _own_views(v) for k, v in x.items()}
     if isinstance(x, torch.Tensor):

@@ -1,6 +1,7 @@
 """The bench's host-bound steps in CPU time: every strategy against the faster hand-written one, step by step.
 
     python benchmarks/host_step.py [--checkpointing] [--steps 60]
+    python benchmarks/host_step.py --width 32 --batch-size 16 [--checkpointing]   # the compute-bound regime
 
 ``gradroute bench --workload sd-tiny --width 8 --batch-size 1 --threads 1`` times wall clock, which a shared
 machine inflates at random (another process's burst lands on one strategy's step). This runs the same steps
@@ -29,9 +30,17 @@ def main() -> None:
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--width", type=int, default=8, help="the UNet's base channels (the bench's default: 32)")
+    p.add_argument("--batch-size", type=int, default=1, help="(the bench's default: 16)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    wl = build("sd-tiny", batch_size=1, device=torch.device("cpu"), checkpointing=args.checkpointing, width=8)
+    wl = build(
+        "sd-tiny",
+        batch_size=args.batch_size,
+        device=torch.device("cpu"),
+        checkpointing=args.checkpointing,
+        width=args.width,
+    )
     # every gradroute strategy twice: with the router's defaults, and with static_graph (a router each)
     runners = {"": Runner(wl, "fp32"), " (static_graph)": Runner(wl, "fp32", static_graph=True)}
     gradroute = ["gradroute", *(CKPT_STRATEGIES if args.checkpointing else ())]
@@ -51,7 +60,10 @@ def main() -> None:
     r.zero()
     med = {s: statistics.median(v) for s, v in times.items()}
     hand = min(med["pruned"], med["cut"])
-    print(f"sd-tiny width 8 batch 1, 1 thread, checkpointing {args.checkpointing}, {args.steps} rounds (CPU time)")
+    print(
+        f"sd-tiny width {args.width} batch {args.batch_size}, 1 thread, checkpointing {args.checkpointing}, "
+        f"{args.steps} rounds (CPU time)"
+    )
     print("| strategy | median ms | / faster of pruned, cut |")
     print("|---|---|---|")
     for s, v in med.items():

@@ -18,6 +18,10 @@ bench sd-tiny-host-static --workload sd-tiny --width 8 --batch-size 1 --threads 
 # the same steps in CPU time (robust to other processes), every gradroute strategy with and without static_graph
 PYTHONPATH=src "$PY" benchmarks/host_step.py > "$out/host-step.txt"
 PYTHONPATH=src "$PY" benchmarks/host_step.py --checkpointing --steps 40 > "$out/host-step-ckpt.txt"
+# and the compute-bound regime (the bench's default sd-tiny size) in CPU time, one thread
+PYTHONPATH=src "$PY" benchmarks/host_step.py --width 32 --batch-size 16 --steps 20 --warmup 3 > "$out/compute-step.txt"
+PYTHONPATH=src "$PY" benchmarks/host_step.py --width 32 --batch-size 16 --steps 20 --warmup 3 --checkpointing \
+  > "$out/compute-step-ckpt.txt"
 # where the host time of a routed backward goes there (CPU time per part, cProfile, counts)
 for a in "" "--checkpointing" "--checkpointing --no-autotune" "--checkpointing --kind torch"; do
   PYTHONPATH=src "$PY" benchmarks/profile_host.py $a --steps 30
@@ -30,6 +34,8 @@ if "$PY" -c "import diffusers, transformers" 2>/dev/null; then
   PYTHONPATH=src "$PY" benchmarks/engine_reach.py > "$out/engine-reach.txt"
   # the floor of an exact route there: the hand-written cut against the summed backward (no checkpointing)
   PYTHONPATH=src "$PY" benchmarks/meta_floor.py > "$out/meta-floor.txt"
+  # with checkpointing: the hand cut and the sum with torch's checkpoint, the routers with cut points
+  PYTHONPATH=src "$PY" benchmarks/meta_floor.py --checkpointing cuts > "$out/meta-floor-cuts.txt"
 fi
 bench gan              --workload gan --threads 1 --steps 20 --warmup 3
 bench actor-critic     --workload actor-critic --steps 50 --warmup 3

@@ -894,3 +894,24 @@ def test_load_state_dict_refused_halfway_by_an_optimizer_changes_nothing() -> No
     with pytest.raises(RuntimeError, match="refused"):
         router.load_state_dict(saved)
     assert_same(before, whole_state(router))
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_recorded_loss_is_a_copy_in_float32_at_least(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    tenc, unet = make_nets()
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
+        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
+    )
+    x, target, mask = make_batches(1)[0]
+    loss = (unet(tenc(x)) - target).pow(2)
+    loss_tenc, loss_unet = loss.mean().to(dtype).reshape(shape), (loss * mask).mean().to(dtype).reshape(shape)
+    expected = {"tenc": loss_tenc.item(), "unet": loss_unet.item()}
+    router.backward(tenc=loss_tenc, unet=loss_unet)
+    with torch.no_grad():  # the caller reuses its loss tensors: what was recorded is a copy
+        loss_tenc.add_(100.0)
+        loss_unet.add_(100.0)
+    stats = router.step()
+    for name, value in expected.items():
+        assert stats[name].loss == value  # exact: a low-precision value is exactly representable in float32

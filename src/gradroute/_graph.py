@@ -6,7 +6,7 @@ The planner (``_planner``) works on this structure only; nothing here knows abou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
@@ -110,7 +110,13 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
 
 
 def released(node: Any, names: tuple[str, ...]) -> bool:
-    """Whether a backward released ``node``'s saved tensors, read from the first saved tensor it holds.
+    """Whether a backward released ``node``'s saved tensors, read from the first saved tensor it holds
+    (:func:`node_state`)."""
+    return node_state(node, names) == "freed"
+
+
+def node_state(node: Any, names: tuple[str, ...]) -> Literal["live", "freed", "none"]:
+    """Whether ``node``'s saved tensors are alive, released by a backward, or tell nothing (all undefined).
 
     Reads the raw ``SavedTensor`` objects (``names``: ``_compat.saved_attrs``), so no saved-tensor hook (a
     checkpoint's recomputation) runs. One with data (or a hook) is alive; an empty one is either an optional
@@ -121,19 +127,17 @@ def released(node: Any, names: tuple[str, ...]) -> bool:
         try:
             item = getattr(node, name)
         except RuntimeError:  # a released list
-            return True
+            return "freed"
         if isinstance(item, (list, tuple)):
             item = next((x for x in item if x is not None), None)
         if item is None:
             continue
         state = saved_state(item)
-        if state == "live":
-            return False
-        if state == "freed":
-            return True
+        if state != "none":
+            return state
         # an optional tensor never defined ("none"): it tells nothing either way (unlike the first probe, which
         # stopped here and missed a released node whose first saved tensor is an absent bias)
-    return False
+    return "none"
 
 
 def reaches(g: Graph, starts: list[int], target: int) -> bool:

@@ -12,7 +12,7 @@ import torch
 from torch.autograd.graph import Node
 
 from ._compat import saved_attrs
-from ._graph import Graph, released
+from ._graph import Graph, node_state
 
 _PROBE = 2  # nodes the freed check of a located graph reads
 
@@ -26,7 +26,8 @@ class Paths:
         steps: ``(node id, parent id, position in the parent's next_functions, class)``, parents first: each
             node is the first through which the walk found it, so the paths are the shortest.
         saved: the ids of the first few nodes on the paths (closest to the roots) that keep tensors: the freed
-            check looks at these only (a second backward of the same losses freed them all).
+            check looks at these only, up to the first that holds a defined one (a second backward of the same
+            losses freed them all).
         size: the number of nodes of the graph.
     """
 
@@ -95,6 +96,15 @@ def located(p: Paths, roots: Sequence[Node], signature: list, leaf: dict[int, to
         index={},
         signature=signature,
         kinds=set(),
-        freed=next((j for j in p.saved if released(nodes[j], saved_attrs(nodes[j]))), None),
+        freed=_freed(p, nodes),
         located=True,
     )
+
+
+def _freed(p: Paths, nodes: list[Node | None]) -> int | None:
+    """The first node of ``p.saved`` that tells (holds a defined saved tensor), if a backward freed it."""
+    for j in p.saved:
+        state = node_state(nodes[j], saved_attrs(nodes[j]))
+        if state != "none":
+            return j if state == "freed" else None
+    return None

@@ -381,7 +381,7 @@ class Router:
     def _program(self, routes: list[Route], *, merge_shared: bool, static: bool = False) -> Program:
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
         # them: keep each pass through it in one call
-        fsdp2 = fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
+        fsdp2 = bool(self._sharded) and fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
         options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
 
         # a static graph is followed, not walked, once nothing is being measured (NOTE [Static graphs])

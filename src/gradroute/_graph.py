@@ -5,7 +5,8 @@ The planner (``_planner``) works on this structure only; nothing here knows abou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -20,8 +21,11 @@ class Graph:
 
     Attributes:
         nodes: every reachable node, indexed by id.
+        edges, ends: the edges as the walk records them, flat: node ``i``'s are the pairs ``j, input_nr`` in
+            ``edges[ends[i - 1]:ends[i]]`` (from 0 for node 0).
         succ: ``succ[i]`` lists ``(j, input_nr)`` for each non-None ``next_functions`` entry of node ``i``:
-            gradient flows from node ``i`` into input slot ``input_nr`` of node ``j``.
+            gradient flows from node ``i`` into input slot ``input_nr`` of node ``j`` (made from ``edges``
+            on first use: a cached plan needs no adjacency lists).
         topo: node ids in topological order (a node comes before every node it sends gradient to).
         leaf: node id -> the leaf tensor of an ``AccumulateGrad`` node.
         index: node -> id.
@@ -35,21 +39,38 @@ class Graph:
     """
 
     nodes: list[Node]
-    succ: list[list[tuple[int, int]]]
     leaf: dict[int, torch.Tensor]
     index: dict[Node, int]
     signature: list
     kinds: set[type]
     freed: int | None = None
     located: bool = False
-    _topo: list[int] | None = None
+    edges: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
 
-    @property
+    @cached_property
+    def succ(self) -> list[list[tuple[int, int]]]:
+        edges, out, start = self.edges, [], 0
+        for end in self.ends:
+            out.append(list(zip(edges[start:end:2], edges[start + 1 : end : 2], strict=True)))
+            start = end
+        return out
+
+    @cached_property
     def topo(self) -> list[int]:
         """Computed on first use only: a cached plan needs no order."""
-        if self._topo is None:
-            self._topo = _topological(self.succ)
-        return self._topo
+        return _topological(self.succ)
+
+    @classmethod
+    def of(cls, succ: list[list[tuple[int, int]]], **fields: Any) -> Graph:
+        """A graph given by its adjacency lists (``succ``) rather than walked."""
+        edges: list[int] = []
+        ends: list[int] = []
+        for out in succ:
+            for j, nr in out:
+                edges += (j, nr)
+            ends.append(len(edges))
+        return cls(edges=edges, ends=ends, **fields)
 
 
 def root_node(tensor: torch.Tensor) -> Node:
@@ -64,11 +85,13 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     ``params`` maps ``id(parameter)`` of the routed groups' parameters to a mark recorded in the signature.
 
     NOTE [One walk: structure, signature and the freed check]
-    This runs on every routed backward, cache hit or not, and costs about a microsecond per node (most of it
-    torch making a Python object for each node ``next_functions`` hands out): it is the router's largest
-    fixed cost in the host-bound regime, so everything per node is done in this one loop. The freed check
+    This runs on every routed backward, cache hit or not, and costs one to two microseconds per node in a
+    real step (torch making a Python object for each node ``next_functions`` hands out, and the memory it
+    touches, cold after the forward): it is the router's largest fixed cost in the host-bound regime, so
+    everything per node is done in this one loop, with as few Python objects as it can make (the edges go
+    into one flat list; the adjacency lists the planner reads are made from it on a cache miss only). The freed check
     looks only at nodes that keep tensors (their classes have saved attributes), at the first defined saved
-    tensor each holds: a non-retaining backward releases all of a node's saved tensors at once (``released``).
+    tensor each holds: a non-retaining backward releases all of a node's saved tensors at once (``node_state``).
     It runs on the whole graph, so a graph freed only in part (another loss's ``.backward()`` freed the nodes
     they share) is refused before any engine call.
     """
@@ -78,13 +101,14 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
         if r not in index:
             index[r] = len(nodes)
             nodes.append(r)
-    succ: list[list[tuple[int, int]]] = []
     classes: list[type] = []
+    edges: list[int] = []  # flat: fewer objects than a list of pairs per node (NOTE above)
+    ends: list[int] = []
     freed: int | None = None
+    saved = _SAVED_NAMES
     for node in nodes:  # grows while the loop runs: breadth first
         kind = type(node)
         classes.append(kind)
-        out: list[tuple[int, int]] = []
         for fn, nr in node.next_functions:
             if fn is None:
                 continue
@@ -92,27 +116,38 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
             if j is None:
                 j = index[fn] = len(nodes)
                 nodes.append(fn)
-            out.append((j, nr))
-        succ.append(out)
-        if freed is None and (names := saved_attrs(node)) and released(node, names):
-            freed = len(succ) - 1
+            edges.append(j)
+            edges.append(nr)
+        ends.append(len(edges))
+        if freed is None:
+            names = saved.get(kind)
+            if names is None:
+                names = saved[kind] = saved_attrs(node)
+            if names and node_state(node, names) == "freed":
+                freed = len(ends) - 1
     leaf: dict[int, torch.Tensor] = {}
     marks: list[int] = []
-    for i, out in enumerate(succ):
-        if not out:
+    start = 0
+    for i, end in enumerate(ends):
+        if end == start:  # no next functions: a leaf's AccumulateGrad (or a node whose inputs need no grad)
             var = getattr(nodes[i], "variable", None)
             if isinstance(var, torch.Tensor):
                 leaf[i] = var
                 marks.append(i)
                 marks.append(params.get(id(var), 0))
-    sig = [[index[r] for r in roots], classes, succ, marks]
-    return Graph(nodes=nodes, succ=succ, leaf=leaf, index=index, signature=sig, kinds=set(classes), freed=freed)
+        start = end
+    sig = [[index[r] for r in roots], classes, edges, marks, ends]  # marks at 3 (``signature_marks``)
+    return Graph(
+        nodes=nodes, leaf=leaf, index=index, signature=sig, kinds=set(classes), freed=freed, edges=edges, ends=ends
+    )
 
 
-def released(node: Any, names: tuple[str, ...]) -> bool:
-    """Whether a backward released ``node``'s saved tensors, read from the first saved tensor it holds
-    (:func:`node_state`)."""
-    return node_state(node, names) == "freed"
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}  # node class -> ``saved_attrs``, looked up inline by the walk
+
+
+def signature_marks(signature: list) -> list[int]:
+    """The parameter marks in a walked graph's signature: ``node id, mark`` pairs of its leaves."""
+    return signature[3]  # type: ignore[no-any-return]
 
 
 def node_state(node: Any, names: tuple[str, ...]) -> Literal["live", "freed", "none"]:

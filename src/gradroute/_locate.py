@@ -91,7 +91,6 @@ def located(p: Paths, roots: Sequence[Node], signature: list, leaf: dict[int, to
         return None
     return Graph(
         nodes=nodes,  # type: ignore[arg-type]
-        succ=[],
         leaf=leaf,
         index={},
         signature=signature,

@@ -66,9 +66,9 @@ def graph(
         else:
             nodes.append((ViewNode if i in views else SavingNode)(numbers[i]))
     edges = [[(j, 0) for j in succ.get(i, ())] for i in range(n)]
-    return Graph(
+    return Graph.of(
+        edges,
         nodes=nodes,
-        succ=edges,
         leaf=dict(leaves),
         index={node: i for i, node in enumerate(nodes)},
         signature=[],

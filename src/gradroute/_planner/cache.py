@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import Node
 
-from .._graph import Graph
+from .._graph import Graph, signature_marks
 from .._locate import Paths, located, paths
 from .._types import Route
 from .build import Planned
@@ -168,7 +168,7 @@ def _wanted(planned: Planned) -> set[int]:
 
 def _record_paths(entry: _Entry, g: Graph, roots: Sequence[Node]) -> None:
     """Record the paths from ``roots`` to the nodes ``entry``'s plan needs in ``g``, and its parameters' marks."""
-    marks = g.signature[3]
+    marks = signature_marks(g.signature)
     mark_of = dict(zip(marks[::2], marks[1::2]))
     targets = {j for call in entry.planned.plan.calls for j in call.wiring.targets}
     entry.leaves = tuple((j, mark_of[j]) for j in sorted(targets))

@@ -82,3 +82,22 @@ def test_equal_graphs_have_equal_signatures_and_others_differ():
     assert first.signature == second.signature
     assert first.signature != other.signature
     assert first.signature != unmarked.signature
+
+
+@pytest.mark.parametrize("make", GRAPHS)
+def test_adjacency_lists_are_the_next_functions(make):
+    x = _leaf()
+    g = walk([make(x).sum().grad_fn], {id(x): 1})
+    # independent of the walk's flat edges: torch's own next_functions of every node found
+    expected = [[(g.index[fn], nr) for fn, nr in node.next_functions if fn is not None] for node in g.nodes]
+    assert g.succ == expected
+    assert g.leaf == {i: x for i, node in enumerate(g.nodes) if getattr(node, "variable", None) is x}
+    assert type(g).of(expected, nodes=g.nodes, leaf={}, index={}, signature=[], kinds=set()).succ == expected
+
+
+def test_edges_into_other_input_slots_are_recorded():
+    a = _leaf()
+    b, c = a.unbind(0)[:2]  # one node with several outputs: edges into input slots 0 and 1
+    g = walk([(b * c).sum().grad_fn], {})
+    slots = {nr for out in g.succ for _, nr in out}
+    assert slots == {0, 1}

@@ -116,14 +116,41 @@ def test_measures_every_candidate_then_keeps_one_each_backward_exact(trials: int
     assert not router.autotuning
 
 
-def test_graph_without_shared_segments_has_nothing_to_measure() -> None:
+def test_graph_with_one_call_per_pass_and_no_shared_segments_has_nothing_to_measure() -> None:
     tenc, unet = nn.Linear(D, D).double(), nn.Linear(D, D).double()
     x = torch.randn(3, D, dtype=torch.float64)
     router = gradroute.Router(tenc=tenc, unet=unet)
-    out = unet(tenc(x))
-    plan = router.plan(tenc=out.sum(), unet=out.pow(2).sum())
+    plan = router.plan(tenc=tenc(x).sum(), unet=unet(x).pow(2).sum())  # losses that share no node
+    assert len(plan.calls) == len(plan.passes)  # one pass here: the losses are routed together
     assert not router.autotuning
     assert not any(n.startswith("autotune") for n in plan.notes)
+
+
+def test_plain_graph_with_a_split_pass_measures_one_call_per_pass_exactly() -> None:
+    tenc, unet = nn.Linear(D, D).double(), nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D)).double()
+    groups = _groups(tenc, unet)
+    params = groups["tenc"] + groups["unet"]
+
+    def forward() -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(3)
+        x, mask = torch.randn(5, D, generator=g, dtype=torch.float64), torch.rand(5, D, generator=g) > 0.5
+        loss = unet(tenc(x)).pow(2)
+        return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
+
+    expected = reference_grads(forward, groups)
+    router = gradroute.Router(tenc=tenc, unet=unet, autotune=gradroute.Autotune(trials=1, memory_tolerance=math.inf))
+    plan = router.plan(**forward())
+    assert len(plan.calls) > len(plan.passes)  # the text encoder's pass is cut at its output
+    note = next(n for n in plan.notes if n.startswith("autotune"))
+    assert "measuring" in note and "PlanOptions(split=False)" in note
+    one_call = gradroute.Router(tenc=tenc, unet=unet, plan_options=gradroute.PlanOptions(split=False), autotune=False)
+    assert len(one_call.plan(**forward()).calls) == len(plan.passes)
+    while router.autotuning:
+        _exact_backward(router, forward, groups, expected)
+    _exact_backward(router, forward, groups, expected)
+    for options in (gradroute.PlanOptions(split=False), gradroute.PlanOptions(split=False, interleave=False)):
+        route_into_grad(gradroute.Router(**groups, plan_options=options, autotune=False), "grads", forward(), params)
+        assert_grads_match(params, expected, rtol=1e-9, atol=1e-12)
 
 
 def test_new_signature_measured_again_and_a_seen_one_reuses_its_choice() -> None:

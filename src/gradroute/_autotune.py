@@ -6,9 +6,10 @@ time goes (kernels, or the host's work per op and per engine call). Like ``torch
 the router measures instead of guessing. The candidates are :class:`~gradroute.PlanOptions` derived from the
 router's own (:meth:`Autotune.default_candidates`): per-call recomputation as torch's checkpoint does it,
 larger chunks (fewer engine calls, more held), one shared recomputation kept through the whole backward
-(fewest calls, most held), remade tensors on and off (``remake_min_bytes``). They only differ on graphs with
-``gradroute.checkpoint`` segments that several engine calls enter; any other graph has one candidate and nothing
-is measured.
+(fewest calls, most held), remade tensors on and off (``remake_min_bytes``), one engine call per pass
+(``split=False``, as the hand-written ``pruned``: where the host's work per call counts, one call less). They
+only differ on graphs with ``gradroute.checkpoint`` segments that several engine calls enter, or whose plan
+splits a pass into several calls; any other graph has one candidate and nothing is measured.
 
 For a graph signature not seen before (per call shape: group names, loss counts, ``backward``/``grads``), each
 candidate's program is built once (then cached); candidates that make the same program are merged, and those whose
@@ -105,7 +106,7 @@ class Autotune:
         ``base``; every shared segment recomputed once per engine call (``held_factor=0``, as torch's checkpoint);
         chunks 4x larger; one chunk per segment; no cuts inside segments with one shared recomputation held
         through the whole backward (``interleave=False``, ``held_factor=inf``: fewest engine calls, most held);
-        tensors remade in every segment; in none.
+        tensors remade in every segment; in none; one engine call per pass (``split=False``).
 
         Example:
             >>> import gradroute
@@ -121,6 +122,7 @@ class Autotune:
             dataclasses.replace(base, interleave=False, held_factor=math.inf),
             dataclasses.replace(base, remake_min_bytes=0),
             dataclasses.replace(base, remake_min_bytes=_HUGE),
+            dataclasses.replace(base, split=False),
         ]
         return tuple(dict.fromkeys(out))
 
@@ -340,6 +342,9 @@ class Tuner:
         else:
             resident = _resident(first, routes)
             largest = max(_shared_segments(first, self.checkpoints).values(), default=0)
+            if st.candidates is None and not largest and not first.planned.per_call:
+                # no checkpoint segment shared: only splitting can differ (not planned for the others at all)
+                options = tuple(dict.fromkeys((base, dataclasses.replace(base, split=False))))
             # estimated peaks first: a candidate that would hold too much is not even tried (no OOM while tuning),
             # except the first, which is what the router runs without tuning
             held = _distinct(options, lambda o: make(o, first.graph), self.checkpoints)
@@ -363,8 +368,11 @@ def _why_not(program: Program, ckpts: Checkpoints) -> str:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "off under torch.distributed with several ranks (they could time and choose differently)"
+    plan = program.plan
+    if len(plan.calls) > len(plan.passes):  # a pass split into several calls: one call per pass is a candidate
+        return ""
     if not program.planned.per_call and not _shared_segments(program, ckpts):
-        return "no gradroute.checkpoint segment is entered by several engine calls: one candidate plan"
+        return "one engine call per pass and no gradroute.checkpoint segment entered by several: one candidate plan"
     return ""
 
 

@@ -20,6 +20,10 @@ class PlanOptions:
         remake_min_bytes: a shared recomputation drops the tensors that cheap ops made from other saved
             tensors once each engine call has used them, and makes them again for the next, only in segments
             that save at least this many bytes.
+        split: split a pass into several engine calls where that frees activations earlier (the default). With
+            ``False`` every pass is one engine call, which retains the whole pass if a later one needs any of
+            its nodes (as the hand-written ``pruned`` does): fewer engine calls, activations kept until the
+            graph is dropped; no interleaving through checkpoint segments.
 
     Example:
         >>> import torch, gradroute
@@ -33,6 +37,7 @@ class PlanOptions:
     held_factor: float = 2.0
     interleave: bool = True
     remake_min_bytes: int = 16 * 2**20
+    split: bool = True
 
     def __post_init__(self) -> None:
         for name in ("chunk", "remake_min_bytes"):
@@ -47,5 +52,6 @@ class PlanOptions:
             raise TypeError(f"`held_factor` must be a number, got {type(self.held_factor).__name__}")
         if self.held_factor < 0:
             raise ValueError(f"`held_factor` must be at least 0, got {self.held_factor}")
-        if not isinstance(self.interleave, bool):
-            raise TypeError(f"`interleave` must be a bool, got {type(self.interleave).__name__}")
+        for name in ("interleave", "split"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {type(getattr(self, name)).__name__}")

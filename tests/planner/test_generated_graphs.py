@@ -200,6 +200,13 @@ def test_generated_graphs_every_autotune_candidate_exact(case, options):
     _check({**case, "chunk": None, "recipes": False, "options": options})
 
 
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(cases(), checkpointed_cases()))
+def test_generated_graphs_one_call_per_pass_exact(case):
+    """``PlanOptions(split=False)``: every pass one engine call, retaining if a later pass needs its nodes."""
+    _check({**case, "chunk": None, "options": gradroute.PlanOptions(split=False)})
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # 2000 examples: ~8 min on a quiet 2-core machine, past the suite's 600 s under load
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])

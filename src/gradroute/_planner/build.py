@@ -103,8 +103,9 @@ def analyse(
         for k in order
     ]
     ranges = checkpoints.segments(g.nodes)
-    chunk_of = chunk_shared_segments(g, need.needed_by, ranges, options.chunk) if options.interleave else {}
-    staged = _stage_all(g, inputs, need, last, chunk_of, roots)
+    interleave = options.interleave and options.split
+    chunk_of = chunk_shared_segments(g, need.needed_by, ranges, options.chunk) if interleave else {}
+    staged = _stage_all(g, inputs, need, last, chunk_of, roots, options.split)
     per_call = recompute_per_call(g, staged.members, ranges, checkpoints.node_bytes, options.held_factor)
     if per_call.segments:
         # shared recomputations would pile up (the passes cannot interleave through the segments, or must
@@ -112,7 +113,7 @@ def analyse(
         # segment once per call, each tensor dropped once used
         if chunk_of:
             chunk_of = {}
-            staged = _stage_all(g, inputs, need, last, chunk_of, roots)
+            staged = _stage_all(g, inputs, need, last, chunk_of, roots, options.split)
         per_call = recompute_per_call(g, staged.members, ranges, checkpoints.node_bytes, 0)
     plan = describe(
         names,
@@ -142,7 +143,8 @@ def _stage_all(
     last: Sequence[int],
     chunk_of: dict[int, int],
     roots: Sequence[Sequence[int]],
+    split: bool,
 ) -> PassStages:
     """Stage every pass (in execution order) and schedule the calls."""
-    per_pass = [stage_pass(g, p, need, last, chunk_of) for p in inputs]
+    per_pass = [stage_pass(g, p, need, last, chunk_of, split=split) for p in inputs]
     return schedule(g, per_pass, roots)

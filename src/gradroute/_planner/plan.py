@@ -140,7 +140,8 @@ class Plan:
         ]
         if self.kept_nodes:
             lines.append(
-                f"kept: {self.kept_nodes} nodes could not be cut cleanly and stay alive until the losses are dropped."
+                f"kept: {self.kept_nodes} nodes stay alive until the losses are dropped (a retaining call ran them "
+                "last: a cut that was not clean, or PlanOptions(split=False))."
             )
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)

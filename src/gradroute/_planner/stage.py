@@ -47,16 +47,19 @@ class PassInputs:
     owners: Mapping[int, int]
 
 
-def stage_pass(g: Graph, p: PassInputs, need: Needs, last: Sequence[int], chunk_of: Mapping[int, int]) -> PassStages:
+def stage_pass(
+    g: Graph, p: PassInputs, need: Needs, last: Sequence[int], chunk_of: Mapping[int, int], *, split: bool = True
+) -> PassStages:
     """Split pass ``p`` into calls of one label each; where a cut is not clean, merge the calls involved.
 
     ``chunk_of`` maps the nodes of checkpoint segments that several passes traverse to their chunk's position
     (see :func:`~.chunks.chunk_shared_segments`): such passes are cut between chunks too, so that their calls
-    interleave chunk by chunk and each shared recomputation is freed as the passes go down it.
+    interleave chunk by chunk and each shared recomputation is freed as the passes go down it. ``split``
+    False: one call, retaining if a later pass needs any of its nodes (``PlanOptions.split``).
     """
     bit = 1 << p.index
     members = [i for i in g.topo if need.needed_by[i] & bit]
-    stage, kept = _number(g, p.index, members, need, last, chunk_of)
+    stage, kept = _number(g, p.index, members, need, last, chunk_of) if split else _whole(g, p.index, members, last)
     stages = ladder(max(stage.values(), default=FIRST))
     n_stages = len(stages)
     losses: list[list[tuple[int, int]]] = [[] for _ in range(n_stages)]
@@ -138,6 +141,15 @@ def _number(
             break
     assert best is not None  # the loop runs at least twice
     return best[1], best[0]
+
+
+def _whole(g: Graph, k: int, members: list[int], last: Sequence[int]) -> tuple[dict[int, Stage], int]:
+    """Pass ``k`` in one stage: retaining if a later pass needs any of its nodes, which then keeps the nodes
+    it uses last (but stateless ones, which hold nothing) until the graph is dropped."""
+    if all(last[i] == k for i in members):
+        return {i: FIRST for i in members}, 0
+    kept = sum(1 for i in members if last[i] == k and not stateless(g.nodes[i]))
+    return {i: FIRST.next() for i in members}, kept
 
 
 def _first_bit(mask: int) -> int:

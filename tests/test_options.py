@@ -17,6 +17,7 @@ import gradroute
         ({"held_factor": -1.0}, ValueError, "`held_factor` must be at least 0, got -1.0"),
         ({"held_factor": "2"}, TypeError, "`held_factor` must be a number, got str"),
         ({"interleave": 1}, TypeError, "`interleave` must be a bool, got int"),
+        ({"split": "no"}, TypeError, "`split` must be a bool, got str"),
         ({"remake_min_bytes": -1}, ValueError, "`remake_min_bytes` must be at least 0, got -1"),
     ],
 )

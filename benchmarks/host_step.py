@@ -45,8 +45,11 @@ def main() -> None:
     runners = {"": Runner(wl, "fp32"), " (static_graph)": Runner(wl, "fp32", static_graph=True)}
     gradroute = ["gradroute", *(CKPT_STRATEGIES if args.checkpointing else ())]
     rows = [("", s) for s in ("sum", "pruned", "cut")] + [(m, s) for m in runners for s in gradroute]
+    chosen = {}
     for mode, s in rows:
-        runners[mode].settle(s)  # the measured plan choice, untimed
+        note = runners[mode].settle(s)  # the measured plan choice, untimed
+        if note:
+            chosen[s + mode] = next((ln.strip() for ln in note.splitlines() if ln.endswith("<- chosen")), note)
     times: dict[str, list[float]] = {s + mode: [] for mode, s in rows}
     for k in range(args.warmup + args.steps):
         for mode, s in rows:
@@ -68,6 +71,8 @@ def main() -> None:
     print("|---|---|---|")
     for s, v in med.items():
         print(f"| {s} | {v * 1e3:.2f} | {v / hand:.3f} |")
+    for s, line in chosen.items():
+        print(f"{s}, measured plan choice: {line}")
 
 
 if __name__ == "__main__":

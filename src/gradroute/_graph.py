@@ -85,9 +85,9 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     ``params`` maps ``id(parameter)`` of the routed groups' parameters to a mark recorded in the signature.
 
     NOTE [One walk: structure, signature and the freed check]
-    This runs on every routed backward, cache hit or not, and costs one to two microseconds per node in a
-    real step (torch making a Python object for each node ``next_functions`` hands out, and the memory it
-    touches, cold after the forward): it is the router's largest fixed cost in the host-bound regime, so
+    This runs on every routed backward, cache hit or not, and costs about a microsecond per node in a real
+    step (torch making a Python object for each node ``next_functions`` hands out, and the memory it touches,
+    cold after the forward): it is the router's largest fixed cost in the host-bound regime, so
     everything per node is done in this one loop, with as few Python objects as it can make (the edges go
     into one flat list; the adjacency lists the planner reads are made from it on a cache miss only). The freed check
     looks only at nodes that keep tensors (their classes have saved attributes), at the first defined saved

@@ -109,6 +109,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointError, get_device_states, noop_context_fn, set_device_states
 
 __all__ = [
+    "SAVED_ATTRS",
     "SAVED_DATA",
     "CheckpointError",
     "StorageWeakRef",
@@ -193,7 +194,8 @@ if _release(TORCH_VERSION) < MIN_TORCH:
 SAVED_DATA: bool = all(hasattr(torch._C._autograd.SavedTensor, a) for a in ("data", "unpack_hook", "unpack"))
 
 _RAW_SAVED = "_raw_saved_"
-_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+#: node class -> :func:`saved_attrs` of its nodes, filled by it (a hot loop may look a class up here first)
+SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
 
 
 def saved_attrs(node: Any) -> tuple[str, ...]:
@@ -203,9 +205,9 @@ def saved_attrs(node: Any) -> tuple[str, ...]:
     saved-tensor hook (e.g. a checkpoint's recomputation) runs.
     """
     cls = type(node)
-    names = _SAVED_ATTRS.get(cls)
+    names = SAVED_ATTRS.get(cls)
     if names is None:
-        names = _SAVED_ATTRS[cls] = tuple(a for a in dir(node) if a.startswith(_RAW_SAVED))
+        names = SAVED_ATTRS[cls] = tuple(a for a in dir(node) if a.startswith(_RAW_SAVED))
     return names
 
 

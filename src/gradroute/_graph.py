@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
-from ._compat import saved_attrs, saved_state
+from ._compat import SAVED_ATTRS, saved_attrs, saved_state
 
 
 @dataclass(eq=False)
@@ -87,13 +87,13 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     NOTE [One walk: structure, signature and the freed check]
     This runs on every routed backward, cache hit or not, and costs about a microsecond per node in a real
     step (torch making a Python object for each node ``next_functions`` hands out, and the memory it touches,
-    cold after the forward): it is the router's largest fixed cost in the host-bound regime, so
-    everything per node is done in this one loop, with as few Python objects as it can make (the edges go
-    into one flat list; the adjacency lists the planner reads are made from it on a cache miss only). The freed check
+    cold after the forward): it is the router's largest fixed cost in the host-bound regime, so everything
+    per node is done in this one loop, with as few Python objects and calls as it can (the edges go into one
+    flat list; the adjacency lists the planner reads are made from it on a cache miss only). The freed check
     looks only at nodes that keep tensors (their classes have saved attributes), at the first defined saved
-    tensor each holds: a non-retaining backward releases all of a node's saved tensors at once (``node_state``).
-    It runs on the whole graph, so a graph freed only in part (another loss's ``.backward()`` freed the nodes
-    they share) is refused before any engine call.
+    tensor each holds: a non-retaining backward releases all of a node's saved tensors at once
+    (``node_state``). It runs on the whole graph, so a graph freed only in part (another loss's
+    ``.backward()`` freed the nodes they share) is refused before any engine call.
     """
     index: dict[Node, int] = {}
     nodes: list[Node] = []
@@ -105,7 +105,7 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     edges: list[int] = []  # flat: fewer objects than a list of pairs per node (NOTE above)
     ends: list[int] = []
     freed: int | None = None
-    saved = _SAVED_NAMES
+    saved = SAVED_ATTRS  # looked up inline: a call per node costs
     for node in nodes:  # grows while the loop runs: breadth first
         kind = type(node)
         classes.append(kind)
@@ -122,7 +122,7 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
         if freed is None:
             names = saved.get(kind)
             if names is None:
-                names = saved[kind] = saved_attrs(node)
+                names = saved_attrs(node)  # fills SAVED_ATTRS
             if names and node_state(node, names) == "freed":
                 freed = len(ends) - 1
     leaf: dict[int, torch.Tensor] = {}
@@ -140,9 +140,6 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     return Graph(
         nodes=nodes, leaf=leaf, index=index, signature=sig, kinds=set(classes), freed=freed, edges=edges, ends=ends
     )
-
-
-_SAVED_NAMES: dict[type, tuple[str, ...]] = {}  # node class -> ``saved_attrs``, looked up inline by the walk
 
 
 def signature_marks(signature: list) -> list[int]:

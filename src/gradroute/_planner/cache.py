@@ -33,14 +33,16 @@ class PlanCache:
     """The analyses of the last ``size`` graphs planned, by call shape (group names, loss counts, mode, options)
     and signature; reused for an equal graph.
 
-    Reuse is safe because the analysis is a function of the graph's signature alone (node classes, edges with
+    Reuse is safe because the routing is a function of the graph's signature alone (node classes, edges with
     their input slots, which leaves are which group parameters, where the losses enter): the walk that
     computes the signature runs on every call, only the analysis is skipped. Parameters are compared by
-    identity; the router holds them, so their ids cannot be reused while the cache exists.
+    identity; the router holds them, so their ids cannot be reused while the cache exists. (The analysis also
+    reads the live ``gradroute.checkpoint`` segments, which the signature does not record: a graph of equal
+    structure with other segments gets the plan made for the first, exact, with the first's memory plan.)
 
     NOTE [Several graphs per call shape]
     A call shape can alternate between graphs: a loop that switches checkpointing on and off, a model with an
-    optional branch, the bench's strategies sharing one router. Each graph keeps its own entry (up to ``size``
+    optional branch, several strategies timed with one router. Each graph keeps its own entry (up to ``size``
     in all, the least recently used dropped first); with one entry per call shape, two alternating graphs
     would each be analysed anew on every call. A lookup compares the signatures of the call shape's entries,
     newest first; unequal ones usually differ in length, which list equality checks first.

@@ -75,7 +75,7 @@ def _own_views(x: Any) -> Any:
     if kind is dict:
         return {k: _own_views(v) for k, v in x.items()}
     if isinstance(x, torch.Tensor):
-        return x.view_as(x) if isinstance(x, SegmentTensor) else x
+        return _own_view(x)
     if isinstance(x, (tuple, list, dict)):  # a named tuple, an ordered dict...
         return tree_map(_own_view, x)
     return x

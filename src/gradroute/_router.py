@@ -68,7 +68,8 @@ class Router:
             with ``gradroute.checkpoint`` segments that several engine calls enter have more than one
             candidate; :meth:`plan` says what was chosen. ``False``: always ``plan_options``.
         static_graph: promise that the losses' autograd graph has the same structure on every backward with
-            the same group names (as DDP's ``static_graph``): from the third such backward on, the router no
+            the same group names (as DDP's ``static_graph``): from the third such backward after the measured
+            choice (``autotune``) is done with the graph, the router no
             longer walks the whole graph (about a microsecond per node, the largest fixed cost of a routed
             backward when tensors are small) but follows the paths to the few nodes its plan starts from,
             checking each node's class on the way. ``True`` walks and checks the whole graph again on every

@@ -1,15 +1,48 @@
-"""Shared fixtures: every test starts from the same seed; CPU tests use one thread (CI has 2 cores)."""
+"""Shared fixtures: every test starts from the same seed; CPU tests use one thread (CI has 2 cores); a hung
+test ends the run with every thread's stack."""
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+# NOTE [A hung test ends the run with every thread's stack]
+# pytest-timeout's thread method needs the GIL to report and exit, so a test hung with the GIL held (a C++ lock
+# waited for under it, say) would run on to CI's own limit and print nothing. faulthandler's watchdog is a C
+# thread that needs no GIL: armed for each test a while past its pytest-timeout limit, it writes every thread's
+# Python stack to the terminal (a copy of stderr taken before any test's capture) and exits the run.
+_STDERR_FD = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        "hard_timeout_extra",
+        "seconds past a test's pytest-timeout limit after which faulthandler dumps every stack and exits",
+        default="60",
+    )
+
 
 def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
+    config.stash[_STDERR_FD] = os.dup(2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    if limit > 0:
+        extra = float(item.config.getini("hard_timeout_extra"))
+        faulthandler.dump_traceback_later(limit + extra, exit=True, file=item.config.stash[_STDERR_FD])
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,30 +44,44 @@ def _stacks_of(pid: int) -> str:
             [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 30"],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=60,
         )
     except subprocess.TimeoutExpired:
-        return "(gdb did not answer in 120 s)"
+        return "(gdb did not answer in 60 s)"
     return run.stdout[-20000:] + run.stderr[-2000:]
 
 
-def _run_threaded_scenario() -> dict:
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests._threaded_routing"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = child.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        stacks = _stacks_of(child.pid)
-        child.kill()
-        out, err = child.communicate()
-        raise AssertionError(f"the threaded scenario hung; its C stacks:\n{stacks}\nits stderr:\n{err}") from None
-    assert child.returncode == 0, f"the threaded scenario failed ({child.returncode}):\n{err}"
-    return json.loads(out.strip().splitlines()[-1])
+class ScenarioHang(UserWarning):
+    """The threaded scenario hung once (its stacks in the message) and was run again."""
+
+
+def _run_threaded_scenario(attempts: int = 2) -> dict:
+    """The scenario's JSON result; a hang (no result in 100 s: it takes seconds) is reported as a
+    :class:`ScenarioHang` warning with the scenario's stacks and run again, the last one fails."""
+    for attempt in range(1, attempts + 1):
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests._threaded_routing"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            out, err = child.communicate(timeout=100)  # its Python stacks are on its stderr from 80 s
+            hang = False
+        except subprocess.TimeoutExpired:
+            stacks = _stacks_of(child.pid)
+            child.kill()
+            err = f"{child.communicate()[1][-6000:]}\nC stacks (gdb):\n{stacks[-8000:]}"
+            hang = True
+        if not hang:
+            assert child.returncode == 0, f"the threaded scenario failed ({child.returncode}):\n{err}"
+            return json.loads(out.strip().splitlines()[-1])
+        report = f"the threaded scenario hung (attempt {attempt} of {attempts}); its stacks:\n{err}"
+        if attempt == attempts:
+            raise AssertionError(report)
+        warnings.warn(report, ScenarioHang, stacklevel=1)
+    raise AssertionError("unreachable")
 
 
 def test_concurrent_routed_backwards_and_plain_backwards_leave_nothing_behind() -> None:

@@ -35,7 +35,7 @@ GIVE_UP_S = 60.0  # a thread still running then fails the test, with every threa
 DUMP_S = 80.0  # a process still running then (a hang, the GIL held or not) dumps every thread's stack
 
 
-def _pair(seed: int) -> tuple[nn.Module, nn.Module]:
+def pair(seed: int) -> tuple[nn.Module, nn.Module]:
     g = torch.Generator().manual_seed(seed)
     a = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).to(D)
     b = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).to(D)
@@ -59,7 +59,7 @@ class Counted(nn.Module):
 
 def _train(seed: int, until: float, errors: list[str], spans: list[tuple[float, float]]) -> None:
     try:
-        a, b = _pair(seed)
+        a, b = pair(seed)
         router = gradroute.Router(a=a, b=b)
         x = torch.randn(4, 6, dtype=D, generator=torch.Generator().manual_seed(seed))
 

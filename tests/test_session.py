@@ -22,16 +22,10 @@ import torch
 
 import gradroute
 from gradroute import _checkpoint, _session
+from tests._threaded_routing import pair
 
 D = torch.float64
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _pair(seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
-    torch.manual_seed(seed)
-    a = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6)).to(D)
-    b = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6)).to(D)
-    return a, b
 
 
 def _stacks_of(pid: int) -> str:
@@ -102,7 +96,7 @@ def _device_thread_sessions(*, segment: bool) -> list[tuple[object, object]]:
     """What ``_session.current()`` answers on a simulated device thread (no thread-local session) in the
     unpacks of a routed backward, with the local session for comparison; ``segment``: ``b`` runs in a
     ``gradroute.checkpoint`` segment."""
-    a, b = _pair(0)
+    a, b = pair(0)
     seen: list[tuple[object, object]] = []
 
     def unpack(x: torch.Tensor) -> torch.Tensor:  # where gradroute.checkpoint asks for the session

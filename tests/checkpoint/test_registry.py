@@ -94,7 +94,9 @@ def test_threads_building_checkpointed_graphs_concurrently_get_their_own_segment
     groups = {w: {"tenc": list(t.parameters()), "unet": list(u.parameters())} for w, (t, u) in models.items()}
     expected = {w: reference_grads(lambda w=w: _forward(*models[w], w), groups[w]) for w in widths}
     built = threading.Barrier(len(widths))
-    one_backward_at_a_time = threading.Lock()  # the routing session is process-wide (issue 15, item 4)
+    # this test is about the registries: one routed backward at a time (concurrent ones are tests/test_session.py's,
+    # in a process of their own)
+    one_backward_at_a_time = threading.Lock()
     seen: dict[int, Any] = {}
     nodes: dict[int, list[Any]] = {}
 

@@ -32,10 +32,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STDERR_FD] = os.dup(2)
 
 
+def _timeout_of(item: pytest.Item) -> float:
+    """The test's pytest-timeout limit in seconds: its marker's, else ``--timeout``'s, else the ini's (0: none,
+    or pytest-timeout not loaded)."""
+    marker = item.get_closest_marker("timeout")
+    if marker and marker.args:
+        return float(marker.args[0])
+    try:
+        option = item.config.getoption("timeout")
+        return float(option if option is not None else item.config.getini("timeout") or 0)
+    except ValueError:  # -p no:timeout: no such option or ini value
+        return 0.0
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    marker = item.get_closest_marker("timeout")
-    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    limit = _timeout_of(item)
     if limit > 0:
         extra = float(item.config.getini("hard_timeout_extra"))
         faulthandler.dump_traceback_later(limit + extra, exit=True, file=item.config.stash[_STDERR_FD])

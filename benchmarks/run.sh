@@ -22,6 +22,9 @@ PYTHONPATH=src "$PY" benchmarks/host_step.py --checkpointing --steps 40 > "$out/
 PYTHONPATH=src "$PY" benchmarks/host_step.py --width 32 --batch-size 16 --steps 20 --warmup 3 > "$out/compute-step.txt"
 PYTHONPATH=src "$PY" benchmarks/host_step.py --width 32 --batch-size 16 --steps 20 --warmup 3 --checkpointing \
   > "$out/compute-step-ckpt.txt"
+# how often the measured plan choice keeps the fastest candidate (median or minimum of its 3 trials), host-bound
+PYTHONPATH=src "$PY" benchmarks/choice_noise.py --repeats 60 > "$out/choice-noise.txt"
+PYTHONPATH=src "$PY" benchmarks/choice_noise.py --checkpointing --repeats 20 >> "$out/choice-noise.txt"
 # where the host time of a routed backward goes there (CPU time per part, cProfile, counts)
 for a in "" "--checkpointing" "--checkpointing --no-autotune" "--checkpointing --kind torch"; do
   PYTHONPATH=src "$PY" benchmarks/profile_host.py $a --steps 30

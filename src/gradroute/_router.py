@@ -65,18 +65,18 @@ class Router:
             (the scaler, schedulers and counters are still put back).
         autotune: measure the candidate plans of each new graph on its first routed backwards and keep the
             fastest within a memory tolerance (:class:`gradroute.Autotune`; ``True``: its defaults). Only graphs
-            with ``gradroute.checkpoint`` segments that several engine calls enter have more than one
-            candidate; :meth:`plan` says what was chosen. ``False``: always ``plan_options``.
+            with ``gradroute.checkpoint`` segments that several engine calls enter, or whose plan splits a pass
+            into several engine calls, have more than one candidate; :meth:`plan` says what was chosen.
+            ``False``: always ``plan_options``.
         static_graph: promise that the losses' autograd graph has the same structure on every backward with
             the same group names (as DDP's ``static_graph``): from the third such backward after the measured
-            choice (``autotune``) is done with the graph, the router no
-            longer walks the whole graph (about a microsecond per node, the largest fixed cost of a routed
-            backward when tensors are small) but follows the paths to the few nodes its plan starts from,
-            checking each node's class on the way. ``True`` walks and checks the whole graph again on every
-            100th backward, an int ``n`` on every ``n``-th; a graph found changed raises RuntimeError before any
-            ``.grad`` is touched. A change off those paths between two checks goes unseen and routes wrong
-            gradients: leave it off (the default) for a graph that can change from step to step. See the
-            README's "Static graphs".
+            choice (``autotune``) is done with the graph, the router no longer walks the whole graph (about a
+            microsecond per node, the largest fixed cost of a routed backward when tensors are small) but
+            follows the paths to the few nodes its plan starts from, checking each node's class on the way.
+            ``True`` walks and checks the whole graph again on every 100th backward, an int ``n`` on every
+            ``n``-th; a graph found changed raises RuntimeError before any ``.grad`` is touched. A change off
+            those paths between two checks goes unseen and routes wrong gradients: leave it off (the default)
+            for a graph that can change from step to step. See the README's "Static graphs".
         **named_groups: groups by keyword.
 
     Example:

@@ -27,7 +27,12 @@ def _checkpointed(x: torch.Tensor) -> torch.Tensor:
     return checkpoint(lambda t: torch.sin(t).exp(), x, use_reentrant=False)
 
 
-GRAPHS: list[Callable[[torch.Tensor], torch.Tensor]] = [_linear_chain, _bare_layer_norm, _checkpointed]
+def _indexed(x: torch.Tensor) -> torch.Tensor:
+    # the only node keeping tensors (IndexBackward0) keeps a list of them: read once released, the list raises
+    return x[torch.tensor([0, 2])]
+
+
+GRAPHS: list[Callable[[torch.Tensor], torch.Tensor]] = [_linear_chain, _bare_layer_norm, _checkpointed, _indexed]
 
 
 def _leaf() -> torch.Tensor:

@@ -18,7 +18,8 @@ API                                         releases      without it
                                                           checkpoint bytes per node from sequence numbers;
                                                           torch's own checkpoint nodes not recognised [2]_
 ``SavedTensor.register_hooks``,             all           -
-``node._raw_saved_*``
+``node._raw_saved_*``, the class
+``torch._C._autograd.SavedTensor``
 ``torch._C._autograd._get_sequence_nr``,    all           -
 ``Node._sequence_nr()``
 ``torch._C._current_graph_task_id``,        all           -
@@ -111,6 +112,7 @@ from torch.utils.checkpoint import CheckpointError, get_device_states, noop_cont
 __all__ = [
     "SAVED_ATTRS",
     "SAVED_DATA",
+    "SAVED_TENSOR",
     "CheckpointError",
     "StorageWeakRef",
     "TorchDispatchMode",
@@ -192,6 +194,8 @@ if _release(TORCH_VERSION) < MIN_TORCH:
 #: and ``.unpack()`` (the router tells a never-defined optional tensor from a released one by unpacking it);
 #: torch 2.10 and 2.11 have ``.data`` without ``.unpack``: gradroute then takes the path of the releases before
 SAVED_DATA: bool = all(hasattr(torch._C._autograd.SavedTensor, a) for a in ("data", "unpack_hook", "unpack"))
+#: the class of a raw saved tensor (``node._raw_saved_self``); a hot loop compares ``type(item)`` to it
+SAVED_TENSOR: Any = torch._C._autograd.SavedTensor
 
 _RAW_SAVED = "_raw_saved_"
 #: node class -> :func:`saved_attrs` of its nodes, filled by it (a hot loop may look a class up here first)

@@ -12,7 +12,11 @@ from typing import Any, Literal
 import torch
 from torch.autograd.graph import Node, get_gradient_edge
 
-from ._compat import SAVED_ATTRS, saved_attrs, saved_state
+from ._compat import SAVED_ATTRS, SAVED_DATA, SAVED_TENSOR, saved_attrs, saved_state
+
+# the class of a leaf tensor's ``AccumulateGrad`` node, found through the public API
+with torch.enable_grad():
+    _ACCUMULATE_GRAD: type = type(get_gradient_edge(torch.zeros((), device="cpu", requires_grad=True)).node)
 
 
 @dataclass(eq=False)
@@ -104,38 +108,46 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     classes: list[type] = []
     edges: list[int] = []  # flat: fewer objects than a list of pairs per node (NOTE above)
     ends: list[int] = []
+    leaf: dict[int, torch.Tensor] = {}
+    marks: list[int] = []
     freed: int | None = None
-    saved = SAVED_ATTRS  # looked up inline: a call per node costs
+    saved, accumulate, raw = SAVED_ATTRS, _ACCUMULATE_GRAD, SAVED_TENSOR  # looked up once
+    fast = SAVED_DATA
+    i = 0
     for node in nodes:  # grows while the loop runs: breadth first
         kind = type(node)
         classes.append(kind)
-        for fn, nr in node.next_functions:
-            if fn is None:
-                continue
-            j = index.get(fn)
-            if j is None:
-                j = index[fn] = len(nodes)
-                nodes.append(fn)
-            edges.append(j)
-            edges.append(nr)
+        following = node.next_functions
+        if following:
+            for fn, nr in following:
+                if fn is None:
+                    continue
+                j = index.get(fn)
+                if j is None:
+                    j = index[fn] = len(nodes)
+                    nodes.append(fn)
+                edges.append(j)
+                edges.append(nr)
+        elif kind is accumulate:  # a leaf
+            var = node.variable  # type: ignore[attr-defined]
+            leaf[i] = var
+            marks.append(i)
+            marks.append(params.get(id(var), 0))
         ends.append(len(edges))
         if freed is None:
             names = saved.get(kind)
             if names is None:
                 names = saved_attrs(node)  # fills SAVED_ATTRS
-            if names and node_state(node, names) == "freed":
-                freed = len(ends) - 1
-    leaf: dict[int, torch.Tensor] = {}
-    marks: list[int] = []
-    start = 0
-    for i, end in enumerate(ends):
-        if end == start:  # no next functions: a leaf's AccumulateGrad (or a node whose inputs need no grad)
-            var = getattr(nodes[i], "variable", None)
-            if isinstance(var, torch.Tensor):
-                leaf[i] = var
-                marks.append(i)
-                marks.append(params.get(id(var), 0))
-        start = end
+            if names:
+                # the usual case inline: a first saved tensor that holds its value (``node_state`` otherwise)
+                item: Any
+                try:
+                    item = getattr(node, names[0]) if fast else None
+                except RuntimeError:  # a list of saved tensors, released: ``node_state`` tells
+                    item = None
+                if (type(item) is not raw or item.data is None) and node_state(node, names) == "freed":
+                    freed = i
+        i += 1
     sig = [[index[r] for r in roots], classes, edges, marks, ends]  # marks at 3 (``signature_marks``)
     return Graph(
         nodes=nodes, leaf=leaf, index=index, signature=sig, kinds=set(classes), freed=freed, edges=edges, ends=ends

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from typing import ClassVar
 
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradroute
+from gradroute._router import _collector_paused
 from tests._reference import assert_grads_match, assert_routed_exact, reference_grads
 
 D = torch.float64
@@ -304,6 +306,38 @@ def test_whole_retained_passes_would_keep_tensors_alive():
     losses["unet"].backward(inputs=list(unet.parameters()))
     gc.collect()
     assert _SaveProbe.refs[0]() is not None  # the tenc-only node was visited by the retaining pass only
+
+
+def test_collector_stays_paused_until_the_last_routed_backward_ends():
+    # routers in two threads: the first backward to end must not turn the collector on under the other's walk
+    assert gc.isenabled()
+    inside, first_done = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def other() -> None:
+        with _collector_paused():
+            inside.set()
+            first_done.wait(10)
+            seen.append(gc.isenabled())
+
+    thread = threading.Thread(target=other)
+    with _collector_paused():
+        thread.start()
+        assert inside.wait(10)
+    first_done.set()
+    thread.join(10)
+    assert seen == [False]
+    assert gc.isenabled()
+
+
+def test_collector_paused_by_the_caller_stays_paused():
+    gc.disable()
+    try:
+        with _collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_repeated_iterations_with_changing_graph():

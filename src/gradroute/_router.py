@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -433,14 +434,40 @@ def _collector_paused() -> Iterator[None]:
     average); paused from the walk until the program is dropped, their allocations and frees cancel out and
     the collector's counters end where they started. Cyclic garbage made meanwhile (by hooks, say) waits
     for the next collection, as with any allocation.
+    The collector is process-wide and routers may run in several threads: the pauses are counted, and the
+    collector resumes when the last one ends, if it was on when the first began (a thread's end must not
+    turn it back on under another thread's walk).
     """
-    enabled = gc.isenabled()
-    gc.disable()
+    _PAUSES.enter()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        _PAUSES.exit()
+
+
+class _Pauses:
+    """The routed backwards under way in this process that keep the cycle collector paused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._resume = False
+
+    def enter(self) -> None:
+        with self._lock:
+            if not self._count:
+                self._resume = gc.isenabled()
+                gc.disable()
+            self._count += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if not self._count and self._resume:
+                gc.enable()
+
+
+_PAUSES = _Pauses()
 
 
 def _check_static_graph(value: Any) -> int:

@@ -8,7 +8,8 @@ happened to trigger it).
 
 ``--baseline`` also times the planner of another checkout's ``src`` (e.g. ``git archive main src | tar -x -C
 OLD``) on the same graph, interleaved with this one, which is fair on a loaded machine; it expects the
-planner of that time (``gradroute._plan.build``) and checks that both make the same calls.
+planner of that time (``gradroute._planner.build``, since the restructuring of 2026-12-01) and checks that both
+make the same calls.
 
 ``--sd15`` adds the full SD-1.5 architecture (random weights, 8x8 latents, batch 1, ``gradroute.checkpoint``
 and ``cut_points``): about 4 GB of memory and a minute to build on a CPU. Needs diffusers and transformers.
@@ -75,7 +76,7 @@ def _load_baseline(src: str) -> Any:
     # the segments were recorded by this checkout's gradroute.checkpoint: the baseline reads them from here
     ckpt.segments = _checkpoint.segments
     ckpt.held_bytes = _checkpoint.held_bytes
-    return importlib.import_module("gradroute_base._plan") if base else None
+    return importlib.import_module("gradroute_base._planner") if base else None
 
 
 def _against_baseline(label: str, router: Any, losses: dict, repeats: int, base_plan: Any) -> None:
@@ -84,17 +85,18 @@ def _against_baseline(label: str, router: Any, losses: dict, repeats: int, base_
     routes = router._routes(losses, {}, "plan")
     options = router.plan_options
     new_cache, old_cache = type(router._cache)(), base_plan.PlanCache()
+    old_checkpoints = base_plan.Checkpoints(segments=_CHECKPOINTS.segments, node_bytes=_CHECKPOINTS.node_bytes)
     times: dict[str, list[float]] = {"new miss": [], "new hit": [], "old miss": [], "old hit": []}
 
     def new() -> Any:
         return build(routes, options=options, cache=new_cache, checkpoints=_CHECKPOINTS)
 
     def old() -> Any:
-        return base_plan.build(routes, options=options, cache=old_cache)
+        return base_plan.build(routes, options=options, cache=old_cache, checkpoints=old_checkpoints)
 
     a, b = new().plan, old().plan
     same = [(c.groups, c.retain, c.nodes, c.params, c.edges_in) for c in a.calls] == [
-        (c.groups, c.retain, c.nodes, c.params, c.cuts_in) for c in b.calls
+        (c.groups, c.retain, c.nodes, c.params, c.edges_in) for c in b.calls
     ] and (a.notes, a.kept_nodes, a.passes) == (b.notes, b.kept_nodes, b.passes)
     for _ in range(repeats):
         for tag, fn, cache in (("new", new, new_cache), ("old", old, old_cache)):

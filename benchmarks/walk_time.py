@@ -1,0 +1,93 @@
+"""The graph walk alone, as a routed backward meets it: a fresh graph after each forward, this tree against another.
+
+Every routed backward without ``static_graph`` walks its losses' whole graph (NOTE [One walk: structure, signature
+and the freed check] in ``_graph.py``), right after the forward made it: the nodes are new, their memory cold.
+This times that walk on the bench's host-bound ``sd-tiny`` (width 8, batch 1, one thread; ``--checkpointing``:
+``gradroute.checkpoint`` with cut points), a new forward before each walk, against the walk of another checkout
+interleaved with it (the two take turns going first: the first walk after a forward of a step was a few percent
+cheaper on our machine), and checks that both record the same graph. It also times the floor of any walk in Python:
+a sweep that only collects the nodes ``next_functions`` hands out. Medians of the calling thread's CPU time, µs.
+
+    PYTHONPATH=src python benchmarks/walk_time.py --baseline OLD/src [--checkpointing] [--repeats 300]
+
+(``git archive <commit> src | tar -x -C OLD`` makes ``OLD/src``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from plan_time import _load_baseline
+
+from gradroute._graph import root_node, walk
+from gradroute.cli.bench.runner import Runner
+from gradroute.cli.workloads import build
+
+
+def sweep(roots: list[Any], params: dict[int, int]) -> list[Any]:
+    """The floor: every node reachable from ``roots``, nothing recorded about them."""
+    index: dict[Any, int] = {}
+    nodes: list[Any] = []
+    for r in roots:
+        if r not in index:
+            index[r] = len(nodes)
+            nodes.append(r)
+    for node in nodes:
+        for fn, _ in node.next_functions:
+            if fn is not None and fn not in index:
+                index[fn] = len(nodes)
+                nodes.append(fn)
+    return nodes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--baseline", required=True)
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--repeats", type=int, default=300)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    base_walk = _load_baseline(args.baseline).build.__globals__["walk"]
+    wl = build("sd-tiny", batch_size=1, device=torch.device("cpu"), checkpointing=args.checkpointing, width=8)
+    runner = Runner(wl, "fp32")
+    if args.checkpointing:
+        wl.set_checkpoint("cuts")
+    marks: dict[int, int] = {}
+    for params in (runner.up_params, runner.down_params):
+        for p in params:
+            marks.setdefault(id(p), len(marks) + 1)
+    walks: dict[str, Callable[[list[Any], dict[int, int]], Any]] = {"this": walk, "baseline": base_walk, "sweep": sweep}
+    times: dict[str, list[float]] = {k: [] for k in walks}
+    signatures = {}
+    gc.disable()  # as in a routed backward (NOTE [The cycle collector and the routed backward])
+    try:
+        for step in range(args.repeats):
+            order = list(walks) if step % 2 else ["baseline", "this", "sweep"]  # which runs first matters
+            for name in order:
+                fn = walks[name]
+                _, lu, ld = runner.forward()
+                roots = [root_node(lu), root_node(ld)]
+                t = time.thread_time()
+                g = fn(roots, marks)
+                times[name].append(time.thread_time() - t)
+                if step == 0 and name != "sweep":
+                    signatures[name] = (g.signature, sorted(g.leaf), g.freed)
+                del g, lu, ld, roots
+    finally:
+        gc.enable()
+    nodes = len(sweep([root_node(t) for t in runner.forward()[1:]], marks))
+    same = signatures["this"] == signatures["baseline"]
+    medians = ", ".join(f"{k} {1e6 * statistics.median(v):.0f}" for k, v in times.items())
+    ratio = statistics.median(a / b for a, b in zip(times["this"], times["baseline"], strict=True))
+    print(f"sd-tiny host-bound, checkpointing {args.checkpointing}: {nodes} nodes, same graph recorded: {same}")
+    print(f"  walk medians (us): {medians}; this / baseline, median of the steps' ratios: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,10 @@ interleaved with it (the two take turns going first: the first walk after a forw
 cheaper on our machine), and checks that both record the same graph. It also times the floor of any walk in Python:
 a sweep that only collects the nodes ``next_functions`` hands out. Medians of the calling thread's CPU time, µs.
 
-    PYTHONPATH=src python benchmarks/walk_time.py --baseline OLD/src [--checkpointing] [--repeats 300]
+    PYTHONPATH=src python benchmarks/walk_time.py --baseline OLD/src [--checkpointing] [--repeats 300] [--sd15]
+
+``--sd15``: the full SD-1.5 architecture instead (random weights from configs, 8x8 latents, batch 1; needs
+diffusers and transformers, about a minute to build).
 
 (``git archive <commit> src | tar -x -C OLD`` makes ``OLD/src``.)
 """
@@ -50,11 +53,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--baseline", required=True)
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--sd15", action="store_true", help="the SD-1.5 architecture (8x8 latents) instead")
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()
     torch.set_num_threads(1)
     base_walk = _load_baseline(args.baseline).build.__globals__["walk"]
-    wl = build("sd-tiny", batch_size=1, device=torch.device("cpu"), checkpointing=args.checkpointing, width=8)
+    workload = "sd15" if args.sd15 else "sd-tiny"
+    size: dict[str, Any] = {"latent_size": 8} if args.sd15 else {"width": 8}
+    wl = build(workload, batch_size=1, device=torch.device("cpu"), checkpointing=args.checkpointing, **size)
     runner = Runner(wl, "fp32")
     if args.checkpointing:
         wl.set_checkpoint("cuts")
@@ -85,7 +91,7 @@ def main() -> None:
     same = signatures["this"] == signatures["baseline"]
     medians = ", ".join(f"{k} {1e6 * statistics.median(v):.0f}" for k, v in times.items())
     ratio = statistics.median(a / b for a, b in zip(times["this"], times["baseline"], strict=True))
-    print(f"sd-tiny host-bound, checkpointing {args.checkpointing}: {nodes} nodes, same graph recorded: {same}")
+    print(f"{workload} host-bound, checkpointing {args.checkpointing}: {nodes} nodes, same graph recorded: {same}")
     print(f"  walk medians (us): {medians}; this / baseline, median of the steps' ratios: {ratio:.3f}")
 
 

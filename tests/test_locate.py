@@ -6,6 +6,8 @@ router's plan cache only show which path a backward took (walked or located).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from torch import nn
 import gradroute
 from gradroute._graph import walk
 from gradroute._locate import follow, paths
-from tests._reference import assert_grads_match, reference_grads
+from tests._reference import assert_grads_match, reference_grads, route_into_grad
 
 D = torch.float64
 
@@ -92,6 +94,63 @@ def test_static_graph_changed_graph_fails_before_any_gradient_is_written(every):
     with pytest.raises(RuntimeError, match=r"`static_graph` was set, but the autograd graph of the losses routed to"):
         router.backward(**_forward(tenc, unet, branch=True)())
     assert all(p.grad is None for p in _params(tenc, unet))
+
+
+def _widened(tenc: nn.Module, extra: nn.Module, unet: nn.Module, widen: bool):
+    """The losses, with the text encoder's output passed through ``extra`` too when ``widen``: a parameter of
+    the ``tenc`` group that the first graphs do not reach, off every path a plan follows."""
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+    target = torch.linspace(0, 1, 15, dtype=D).reshape(5, 3)
+
+    def run() -> dict[str, torch.Tensor]:
+        h = tenc(x)
+        if widen:
+            h = h + extra(h)
+        loss = (unet(h) - target).pow(2)
+        return {"tenc": loss.mean(), "unet": loss[:3].mean()}
+
+    return run
+
+
+@pytest.mark.parametrize("method", ["backward", "grads"])
+def test_static_graph_plan_of_one_call_per_route_stays_exact_when_the_graph_changes_off_the_paths(method):
+    tenc, unet = _nets()
+    extra = nn.Linear(6, 6).to(D)
+    groups = {"tenc": [*tenc.parameters(), *extra.parameters()], "unet": list(unet.parameters())}
+    router = gradroute.Router(
+        groups, static_graph=100, autotune=False, plan_options=gradroute.PlanOptions(split=False)
+    )  # no periodic walk in this test
+    for _ in range(3):  # walked, confirmed, located
+        route_into_grad(router, method, _widened(tenc, extra, unet, widen=False)(), _params(tenc, extra, unet))
+    assert router._cache.located == 1
+    for p in _params(tenc, extra, unet):
+        p.grad = None
+    forward = _widened(tenc, extra, unet, widen=True)
+    expected = reference_grads(forward, groups)
+    route_into_grad(router, method, forward(), _params(tenc, extra, unet))
+    assert router._cache.located == 2  # followed, not walked: the change was not seen
+    assert_grads_match(_params(tenc, extra, unet), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_static_graph_group_frozen_since_never_takes_another_groups_gradient():
+    # the plan's call for `tenc` has no parameters left to backpropagate into: it must not run without any
+    tenc, unet = _nets()
+    forward = _forward(tenc, unet)
+    router = gradroute.Router(
+        tenc=tenc, unet=unet, static_graph=100, autotune=False, plan_options=gradroute.PlanOptions(split=False)
+    )
+    for _ in range(3):
+        router.backward(**forward())
+    tenc.requires_grad_(False)
+    for p in _params(tenc, unet):
+        p.grad = None
+    expected = reference_grads(forward, {"unet": list(unet.parameters())}, names=["unet"])
+    with contextlib.suppress(RuntimeError):  # torch refuses an input that does not require grad
+        router.backward(**forward())
+    assert all(p.grad is None for p in tenc.parameters())
+    for p in unet.parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, expected[id(p)], rtol=1e-10, atol=1e-12)
 
 
 def test_static_graph_loss_backpropagated_twice_fails_before_any_gradient_is_written():

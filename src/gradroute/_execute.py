@@ -177,7 +177,8 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
         if accumulate and targets:
             _accumulate([nodes[j] for j in w.targets], targets, grads)
         else:
-            for i, r in enumerate(w.target_routes):
+            owners = w.target_routes if program.target_routes is None else program.target_routes[c]
+            for i, r in enumerate(owners):
                 _add(collected[r], id(targets[i]), grads[i])
     return collected
 

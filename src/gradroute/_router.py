@@ -76,8 +76,10 @@ class Router:
             follows the paths to the few nodes its plan starts from, checking each node's class on the way.
             ``True`` walks and checks the whole graph again on every 100th backward, an int ``n`` on every
             ``n``-th; a graph found changed raises RuntimeError before any ``.grad`` is touched. A change off
-            those paths between two checks goes unseen and routes wrong gradients: leave it off (the default)
-            for a graph that can change from step to step. See the README's "Static graphs".
+            those paths between two checks goes unseen, and routes wrong gradients unless the plan makes one
+            engine call per loss that captures nothing (those calls then backpropagate into all of their
+            group's parameters): leave it off (the default) for a graph that can change from step to step.
+            See the README's "Static graphs".
         **named_groups: groups by keyword.
 
     Example:

@@ -25,6 +25,8 @@ class _Entry:
     paths: Paths | None = None
     leaves: tuple[tuple[int, int], ...] = ()
     since_walk: int = 0
+    # per call, its route, where the plan is one call per route capturing nothing (``_any_graph``); else None
+    any_graph: tuple[int, ...] | None = None
     # the parameters by mark these were made from, the leaf map, and per call its parameters
     leaf: tuple[Sequence[torch.Tensor], dict[int, torch.Tensor], tuple[tuple[torch.Tensor, ...], ...]] = ((), {}, ())
 
@@ -112,12 +114,26 @@ class PlanCache:
         found = self.entries.get(key)
         return found[0] if found and found[0].paths is not None else None
 
-    def confirm(self, entry: _Entry, g: Graph, roots: Sequence[Node]) -> None:
+    def confirm(self, entry: _Entry, g: Graph, roots: Sequence[Node], routes: Sequence[Route]) -> None:
         """A static graph ``g`` (walked from ``roots``) equal to ``entry``'s: record the paths later backwards
         follow (once), restart the count to the next check."""
         entry.since_walk = 0
         if entry.paths is None:
             _record_paths(entry, g, roots)
+            entry.any_graph = _any_graph(entry.planned, [len(r.losses) for r in routes])
+
+    def targets(
+        self, entry: _Entry, routes: Sequence[Route]
+    ) -> tuple[tuple[tuple[torch.Tensor, ...], ...], tuple[tuple[int, ...], ...] | None]:
+        """Per call of a located backward, the parameters it backpropagates into and (or None: the plan's) their
+        routes: for a plan right on any graph (``_any_graph``), every parameter of the call's route that requires
+        grad; else those the plan found reached (call :meth:`locate` first)."""
+        if entry.any_graph is None:
+            return entry.leaf[2], None
+        targets = tuple(tuple(p for p in routes[r].params if p.requires_grad) for r in entry.any_graph)
+        if not all(targets):  # a group frozen since: an engine call without inputs would write every leaf
+            return entry.leaf[2], None
+        return targets, tuple((r,) * len(t) for r, t in zip(entry.any_graph, targets, strict=True))
 
     def locate(self, entry: _Entry, roots: Sequence[Node], routes: Sequence[Route]) -> Graph | None:
         """The graph below ``roots`` as far as ``entry``'s plan needs it, or None where it differs on the paths
@@ -153,6 +169,10 @@ class PlanCache:
 # walks the whole graph again and raises if it changed, as does a backward whose paths reach another class.
 # What the located backwards cannot see: a change off the paths (another branch, another parameter reached),
 # and a node freed off the paths (the engine then reports it, possibly after earlier calls wrote ``.grad``).
+# A change off the paths routes wrong gradients only where the plan depends on the graph: a plan of one engine
+# call per route that captures nothing (``PlanOptions(split=False)``, no routes merged, no recomputation per
+# call) is right on any graph when each call backpropagates its route's losses into all of the route's
+# parameters (the engine finds which it reaches), so located backwards of such a plan do that (``_any_graph``).
 # The walk costs about a microsecond per node, following the paths about as much per node on them.
 
 
@@ -175,6 +195,26 @@ def _record_paths(entry: _Entry, g: Graph, roots: Sequence[Node]) -> None:
     targets = {j for call in entry.planned.plan.calls for j in call.wiring.targets}
     entry.leaves = tuple((j, mark_of[j]) for j in sorted(targets))
     entry.paths = paths(g, roots, _wanted(entry.planned))
+
+
+def _any_graph(planned: Planned, loss_counts: Sequence[int]) -> tuple[int, ...] | None:
+    """Per call, its route, where ``planned`` gives exact gradients on any graph once each call backpropagates
+    into all of its route's parameters: every call starts from all the losses of one route (and of no other),
+    captures no gradient edge and resumes from none, every route has a call, and no segment is recomputed per
+    call. Else None (NOTE [Static graphs])."""
+    if planned.per_call:
+        return None
+    out = []
+    for call in planned.plan.calls:
+        w = call.wiring
+        owners = {r for r, _ in w.losses}
+        if w.edges_in or w.edges_out or len(owners) != 1:
+            return None
+        (r,) = owners
+        if len(w.losses) != loss_counts[r]:  # a loss term the plan found reaching nothing was left out
+            return None
+        out.append(r)
+    return tuple(out) if sorted(out) == list(range(len(loss_counts))) else None
 
 
 def param_marks(routes: Sequence[Route]) -> dict[int, int]:

@@ -27,6 +27,8 @@ class Program:
         options: the options it was planned with (the executor reads ``remake_min_bytes``).
         targets: per call, the parameters it accumulates into, when known already (a static graph's); else
             the executor reads them off ``graph.leaf``.
+        target_routes: per call, the route of each of ``targets``, where they are not the plan's (a static
+            graph's plan that is right on any graph: NOTE [Static graphs]).
     """
 
     planned: Planned
@@ -34,6 +36,7 @@ class Program:
     routes: Sequence[Route]
     options: PlanOptions = field(default_factory=PlanOptions)
     targets: tuple[tuple[torch.Tensor, ...], ...] | None = None
+    target_routes: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -87,7 +90,8 @@ def build(
         if entry is not None:
             found = cache.locate(entry, roots, routes)
             if found is not None:
-                return Program(entry.planned, found, routes, options, targets=entry.leaf[2])
+                targets, target_routes = cache.targets(entry, routes)
+                return Program(entry.planned, found, routes, options, targets=targets, target_routes=target_routes)
         confirmed = cache.confirmed(key)
     marks = cache.marks(routes)[0] if cache is not None else param_marks(routes)
     g = walk(roots, marks) if graph is None else graph
@@ -104,7 +108,7 @@ def build(
     if hit is not None:
         g.signature = hit.signature  # equal; the cached list, so that callers can tell the entry by identity
         if static and cache is not None:
-            cache.confirm(hit, g, roots)
+            cache.confirm(hit, g, roots, routes)
         return Program(hit.planned, g, routes, options)
     root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
     planned = analyse(

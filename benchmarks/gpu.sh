@@ -6,7 +6,7 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1 importlib_metadata zipp pillow
-# (done in /work/main on 2026-12-02: .whl/ holds them, about 14 MB)
+# (about 14 MB; .whl/ is ignored by git, so it stays in the checkout that downloaded it)
 # Then one device call (carry `.whl`, timeout_s 560), with the commit this tree is at:
 #   COMMIT=<short hash> bash benchmarks/gpu.sh
 # Everything lands in $OUT (JSON per table and the log). About 8 minutes on an H200 (the tables in order of

@@ -224,21 +224,7 @@ class Router:
         plan = _with_other_groups(
             program, {n: g.params for n, g in self._groups.items() if n not in program.plan.reach}
         )
-        if self._tuner is not None:
-            tuned = self._tuner.describe()
-            if tuned:
-                plan = dataclasses.replace(plan, notes=(*plan.notes, tuned))
-        nodes = program.graph.nodes
-        notes = list(plan.notes)
-        torch_ckpt = sum(1 for i in program.planned.shared if _checkpoint.checkpoint_kind(nodes[i]) == "torch")
-        if torch_ckpt:
-            notes.append(
-                f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call: torch "
-                "recomputes their segments once per call; gradroute.checkpoint recomputes each once per backward."
-            )
-        compiled = plan_note(nodes)
-        if compiled:
-            notes.append(compiled)
+        notes = [*plan.notes, *self._notes(program)]
         return dataclasses.replace(plan, notes=tuple(notes)) if len(notes) > len(plan.notes) else plan
 
     def step(self) -> StepStats:
@@ -332,7 +318,7 @@ class Router:
         """Plan and run ``routes`` (:meth:`backward` accumulates and merges shared routes; :meth:`grads` collects
         each route's own gradients); every loss's graph is checked before the first engine call."""
         with _collector_paused():
-            program = self._program(routes, merge_shared=accumulate, static=True)
+            program = self._program(routes, merge_shared=accumulate, backward=True)
             with self._trial():
                 out = execute(
                     program,
@@ -382,14 +368,16 @@ class Router:
             routes.append(Route(name=name, losses=tensors, params=params))
         return routes
 
-    def _program(self, routes: list[Route], *, merge_shared: bool, static: bool = False) -> Program:
+    def _program(self, routes: list[Route], *, merge_shared: bool, backward: bool = False) -> Program:
+        """The program for ``routes``; ``backward``: for a routed backward (may follow a static graph), not a
+        :meth:`plan`."""
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
         # them: keep each pass through it in one call
         fsdp2 = bool(self._sharded) and fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
         options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
 
         # a static graph is followed, not walked, once nothing is being measured (NOTE [Static graphs])
-        static = static and not self.autotuning
+        static = backward and not self.autotuning
 
         def make(options: PlanOptions, graph: Graph | None = None) -> Program:
             return build(
@@ -400,6 +388,7 @@ class Router:
                 checkpoints=_CHECKPOINTS,
                 graph=graph,
                 static=static,
+                backward=backward,
             )
 
         if self._tuner is None:
@@ -420,6 +409,28 @@ class Router:
     def _trial(self) -> Any:
         """The context to run the program just built in: measures it while the tuner is measuring."""
         return _NOTHING if self._tuner is None else self._tuner.trial()
+
+    def _notes(self, program: Program) -> list[str]:
+        """The plan printout's notes on what this router measured and on the graph's checkpointed and compiled
+        parts (the measured choice's note last but for those two)."""
+        nodes = program.graph.nodes
+        notes = []
+        walked = self._cache.walk_note(program.planned, len(nodes))
+        if walked:
+            notes.append(walked)
+        tuned = self._tuner.describe() if self._tuner is not None else None
+        if tuned:
+            notes.append(tuned)
+        torch_ckpt = sum(1 for i in program.planned.shared if _checkpoint.checkpoint_kind(nodes[i]) == "torch")
+        if torch_ckpt:
+            notes.append(
+                f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call: torch "
+                "recomputes their segments once per call; gradroute.checkpoint recomputes each once per backward."
+            )
+        compiled = plan_note(nodes)
+        if compiled:
+            notes.append(compiled)
+        return notes
 
 
 _NOTHING = contextlib.nullcontext()

@@ -132,6 +132,44 @@ def test_cache_keeps_each_of_two_alternating_graphs():
     assert (router._cache.misses, router._cache.hits) == (2, 4)
 
 
+def _walk_notes(plan: gradroute.Plan) -> list[str]:
+    return [n for n in plan.notes if n.startswith("walk: ")]
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+@pytest.mark.parametrize("backwards", [7, 8, 12])
+def test_plan_notes_the_walk_of_a_graph_seen_on_eight_backwards_in_a_row(backwards, static_graph):
+    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
+    router = gradroute.Router(a=a, b=b, autotune=False, static_graph=static_graph)
+    x = torch.randn(2, 3, dtype=D)
+    for _ in range(backwards):
+        router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
+    plan = router.plan(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())  # plan() walks too; it is not counted
+    notes = _walk_notes(plan)
+    if backwards < 8 or static_graph:
+        assert notes == []
+    else:
+        walks = min(backwards, 16)
+        assert len(notes) == 1
+        assert notes[0].startswith(
+            f"walk: the last {backwards} routed backwards had this graph; walking its {plan.graph_nodes} nodes took "
+        )
+        assert (
+            f"each (median of the last {walks}). If it is the same on every step, Router(static_graph=True)" in notes[0]
+        )
+        assert notes[0] in str(plan)
+
+
+def test_plan_notes_no_walk_when_the_graph_alternates():
+    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
+    router = gradroute.Router(a=a, b=b, autotune=False)
+    x = torch.randn(2, 3, dtype=D)
+    for _ in range(8):
+        router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
+        router.backward(a=b(a(x).relu()).sum(), b=b(a(x)).pow(2).sum())  # one more node, same call shape
+    assert _walk_notes(router.plan(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())) == []
+
+
 def _found(entry):
     return None if entry is None else (entry.signature, entry.planned)
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import Node
@@ -27,6 +28,9 @@ class _Entry:
     since_walk: int = 0
     # per call, its route, where the plan is one call per route capturing nothing (``_any_graph``); else None
     any_graph: tuple[int, ...] | None = None
+    # routed backwards in a row whose graph was this one, and the last walks' times in seconds (``walk_note``)
+    streak: int = 0
+    walks: list[float] = field(default_factory=list)
     # the parameters by mark these were made from, the leaf map, and per call its parameters
     leaf: tuple[Sequence[torch.Tensor], dict[int, torch.Tensor], tuple[tuple[torch.Tensor, ...], ...]] = ((), {}, ())
 
@@ -65,6 +69,7 @@ class PlanCache:
         self.located = 0
         self._clock = 0
         self._marks: tuple[tuple, dict[int, int], list[torch.Tensor]] = ((), {}, [])
+        self._last_walked: dict[tuple, _Entry] = {}
 
     def __len__(self) -> int:
         return sum(len(found) for found in self.entries.values())
@@ -83,7 +88,7 @@ class PlanCache:
         self.misses += 1
         return None
 
-    def store(self, key: tuple, signature: list, planned: Planned) -> None:
+    def store(self, key: tuple, signature: list, planned: Planned) -> _Entry:
         """Keep ``planned`` for graphs of call shape ``key`` and this signature (dropping the least recently used
         entry when full)."""
         if len(self) >= self.size:
@@ -92,10 +97,33 @@ class PlanCache:
             if not self.entries[old_key]:
                 del self.entries[old_key]
         self._clock += 1
-        self.entries.setdefault(key, []).insert(0, _Entry(signature, planned, self._clock))
+        entry = _Entry(signature, planned, self._clock)
+        self.entries.setdefault(key, []).insert(0, entry)
+        return entry
 
     def clear(self) -> None:
         self.entries.clear()
+        self._last_walked.clear()
+
+    def walked(self, key: tuple, entry: _Entry, seconds: float) -> None:
+        """A routed backward of call shape ``key`` walked ``entry``'s graph in ``seconds`` (``walk_note``)."""
+        entry.streak = entry.streak + 1 if self._last_walked.get(key) is entry else 1
+        self._last_walked[key] = entry
+        entry.walks.append(seconds)
+        del entry.walks[:-_WALKS_KEPT]
+
+    def walk_note(self, planned: Planned, nodes: int) -> str | None:
+        """A line for the plan printout where routed backwards walk the same graph again and again (``static_graph``
+        off, ``_STREAK`` or more in a row): the walk's time, and the switch that skips it."""
+        entry = next((e for found in self.entries.values() for e in found if e.planned is planned), None)
+        if self.static_graph or entry is None or entry.streak < _STREAK:
+            return None
+        ms = statistics.median(entry.walks) * 1e3
+        return (
+            f"walk: the last {entry.streak} routed backwards had this graph; walking its {nodes} nodes took "
+            f"{ms:.2f} ms each (median of the last {len(entry.walks)}). If it is the same on every step, "
+            'Router(static_graph=True) follows a few paths instead (README, "Static graphs")'
+        )
 
     def marks(self, routes: Sequence[Route]) -> tuple[dict[int, int], list[torch.Tensor]]:
         """:func:`param_marks` of ``routes`` and the parameters by mark (mark ``m`` at ``m - 1``), kept for the last
@@ -158,6 +186,10 @@ class PlanCache:
         entry.since_walk += 1
         self.located += 1
         return entry
+
+
+_WALKS_KEPT = 16  # walk times kept per entry
+_STREAK = 8  # routed backwards in a row with one graph before the plan printout mentions the walk
 
 
 # NOTE [Static graphs]

@@ -3,6 +3,7 @@ hand the executor a program."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +58,7 @@ def build(
     checkpoints: Checkpoints = NO_CHECKPOINTS,
     graph: Graph | None = None,
     static: bool = False,
+    backward: bool = False,
 ) -> Program:
     """Walk the graph of ``routes`` and plan it (or reuse the analysis of an equal graph).
 
@@ -74,6 +76,8 @@ def build(
             ``options``: the measured choice), so that it is not walked again.
         static: the graph of this call shape is the same on every call (NOTE [Static graphs] in ``cache.py``; needs a
             ``cache`` made with ``static_graph``).
+        backward: this is a routed backward (not ``Router.plan``): its walk is timed for the plan printout
+            (``PlanCache.walk_note``).
 
     Raises:
         ValueError: the graph holds a reentrant ``torch.utils.checkpoint`` segment.
@@ -94,7 +98,9 @@ def build(
                 return Program(entry.planned, found, routes, options, targets=targets, target_routes=target_routes)
         confirmed = cache.confirmed(key)
     marks = cache.marks(routes)[0] if cache is not None else param_marks(routes)
+    start = time.perf_counter()
     g = walk(roots, marks) if graph is None else graph
+    walked = time.perf_counter() - start if backward and graph is None else None
     if any(t.__name__ == "CheckpointFunctionBackward" for t in g.kinds):
         raise ValueError(
             "the losses' graph contains a reentrant torch.utils.checkpoint segment (use_reentrant=True): its "
@@ -109,6 +115,8 @@ def build(
         g.signature = hit.signature  # equal; the cached list, so that callers can tell the entry by identity
         if static and cache is not None:
             cache.confirm(hit, g, roots, routes)
+        if walked is not None and cache is not None:
+            cache.walked(key, hit, walked)
         return Program(hit.planned, g, routes, options)
     root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
     planned = analyse(
@@ -121,7 +129,9 @@ def build(
         checkpoints=checkpoints,
     )
     if cache is not None:
-        cache.store(key, g.signature, planned)
+        entry = cache.store(key, g.signature, planned)
+        if walked is not None:
+            cache.walked(key, entry, walked)
     return Program(planned, g, routes, options)
 
 

@@ -113,22 +113,32 @@ def test_cache_reuses_the_analysis_for_the_same_graph(tenc_unet_setup):
     assert router._cache.misses == 2
 
 
-def test_cache_misses_when_the_graph_changes():
+def _two_graphs(**router_options):
+    """A router over two linear layers, and two graphs of one call shape: ``longer`` has one more node."""
     a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
-    router = gradroute.Router(a=a, b=b)
     x = torch.randn(2, 3, dtype=D)
-    router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
-    router.backward(a=b(a(x).relu()).sum(), b=b(a(x)).pow(2).sum())  # one more node
+
+    def plain() -> dict[str, torch.Tensor]:
+        return {"a": b(a(x)).sum(), "b": b(a(x)).pow(2).sum()}
+
+    def longer() -> dict[str, torch.Tensor]:
+        return {"a": b(a(x).relu()).sum(), "b": b(a(x)).pow(2).sum()}
+
+    return gradroute.Router(a=a, b=b, **router_options), plain, longer
+
+
+def test_cache_misses_when_the_graph_changes():
+    router, plain, longer = _two_graphs()
+    router.backward(**plain())
+    router.backward(**longer())
     assert router._cache.misses == 2 and router._cache.hits == 0
 
 
 def test_cache_keeps_each_of_two_alternating_graphs():
-    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
-    router = gradroute.Router(a=a, b=b, autotune=False)
-    x = torch.randn(2, 3, dtype=D)
+    router, plain, longer = _two_graphs(autotune=False)
     for _ in range(3):
-        router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
-        router.backward(a=b(a(x).relu()).sum(), b=b(a(x)).pow(2).sum())  # one more node, same call shape
+        router.backward(**plain())
+        router.backward(**longer())
     assert (router._cache.misses, router._cache.hits) == (2, 4)
 
 
@@ -139,35 +149,29 @@ def _walk_notes(plan: gradroute.Plan) -> list[str]:
 @pytest.mark.parametrize("static_graph", [False, True])
 @pytest.mark.parametrize("backwards", [7, 8, 12])
 def test_plan_notes_the_walk_of_a_graph_seen_on_eight_backwards_in_a_row(backwards, static_graph):
-    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
-    router = gradroute.Router(a=a, b=b, autotune=False, static_graph=static_graph)
-    x = torch.randn(2, 3, dtype=D)
+    router, plain, _ = _two_graphs(autotune=False, static_graph=static_graph)
     for _ in range(backwards):
-        router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
-    plan = router.plan(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())  # plan() walks too; it is not counted
+        router.backward(**plain())
+    plan = router.plan(**plain())  # plan() walks too; it is not counted
     notes = _walk_notes(plan)
     if backwards < 8 or static_graph:
         assert notes == []
     else:
-        walks = min(backwards, 16)
         assert len(notes) == 1
         assert notes[0].startswith(
             f"walk: the last {backwards} routed backwards had this graph; walking its {plan.graph_nodes} nodes took "
         )
-        assert (
-            f"each (median of the last {walks}). If it is the same on every step, Router(static_graph=True)" in notes[0]
-        )
+        walks = min(backwards, 16)
+        assert f"(median of the last {walks}). If it is the same on every step, Router(static_graph=True)" in notes[0]
         assert notes[0] in str(plan)
 
 
 def test_plan_notes_no_walk_when_the_graph_alternates():
-    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
-    router = gradroute.Router(a=a, b=b, autotune=False)
-    x = torch.randn(2, 3, dtype=D)
+    router, plain, longer = _two_graphs(autotune=False)
     for _ in range(8):
-        router.backward(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())
-        router.backward(a=b(a(x).relu()).sum(), b=b(a(x)).pow(2).sum())  # one more node, same call shape
-    assert _walk_notes(router.plan(a=b(a(x)).sum(), b=b(a(x)).pow(2).sum())) == []
+        router.backward(**plain())
+        router.backward(**longer())
+    assert _walk_notes(router.plan(**plain())) == []
 
 
 def _found(entry):

@@ -462,7 +462,7 @@ class _Pauses:
     """The routed backwards under way in this process that keep the cycle collector paused."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a finalizer run by a collection may route a backward
         self._count = 0
         self._resume = False
 

@@ -82,6 +82,8 @@ def test_markdown_python_blocks_run_in_order(doc, capsys):
     assert executed == BLOCKS_RUN[doc]
     if doc == "README.md":  # the README's blocks form one program that ends with a training step
         assert namespace["stats"] is not None
+        # "Static graphs": the changed graph is refused, as the example says
+        assert "`static_graph` was set, but the autogr\n" in capsys.readouterr().out
     if doc == "docs/training_step.md":  # a whole training loop, resumable: it ends where its prose says
         stats = namespace["stats"]
         assert stats.step == namespace["total_steps"] and not stats.accumulating

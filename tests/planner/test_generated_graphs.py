@@ -13,7 +13,7 @@ import gc
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -123,8 +123,10 @@ def _build(case):
         h = sum(_wrap(outs[s], w) for s, w in zip(spec["srcs"], spec["wraps"]))
         return _Block(modules[spec["module"]], ACTS[spec["act"]])(h)
 
-    def forward():
-        outs: dict[int, torch.Tensor] = {-1: x}
+    def forward(outs: dict[int, torch.Tensor] | None = None):
+        """The losses; ``outs``, when given, receives every node's output (by node; ``-1``: the input)."""
+        outs = {} if outs is None else outs
+        outs[-1] = x
         spans = dict(case["ckpt"])
         k = 0
         while k < len(nodes):
@@ -226,6 +228,34 @@ def test_generated_graphs_every_autotune_candidate_exact(case, options):
 def test_generated_graphs_one_call_per_pass_exact(case):
     """``PlanOptions(split=False)``: every pass one engine call, retaining if a later pass needs its nodes."""
     _check({**case, "chunk": None, "options": gradroute.PlanOptions(split=False)})
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(cases(), checkpointed_cases()), st.data())
+def test_generated_graphs_freed_in_part_fail_before_any_gradient_is_written(case, data):
+    """A part of the graph freed by an earlier engine call (from one node's output down to an earlier output or
+    to the parameters): the routed backward either raises ``GraphFreedError`` with every ``.grad`` untouched, or
+    needed nothing that was freed and is exact."""
+    forward, groups, params = _build(case)
+    routed_names = [name for name in forward() if name in groups]
+    expected = reference_grads(forward, groups, names=routed_names)
+    outs: dict[int, torch.Tensor] = {}
+    losses = forward(outs)
+    k = data.draw(st.sampled_from([j for j in sorted(outs) if j >= 0 and outs[j].requires_grad]), label="freed from")
+    below = [j for j in sorted(outs) if j < k and outs[j].requires_grad] + ["params"]
+    to = data.draw(st.sampled_from(below), label="down to")
+    inputs = params if to == "params" else [outs[to]]
+    torch.autograd.grad(outs[k].sum(), inputs, allow_unused=True)  # no retain: frees what it ran
+    router = gradroute.Router(groups, allow_unreached=True, autotune=False)
+    try:
+        router.backward({name: loss for name, loss in losses.items() if name in groups})
+    except gradroute.GraphFreedError:
+        event("refused")
+        assert all(p.grad is None for p in params)
+    else:
+        event("routed")
+        assert_grads_match(params, expected, rtol=1e-9, atol=1e-12)
+    _collect()
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import Node
 
 from .._graph import Graph, root_node, walk
 from .._options import PlanOptions
@@ -90,24 +91,15 @@ def build(
     static = static and cache is not None and cache.static_graph > 0 and graph is None
     confirmed = None
     if static and cache is not None:
-        entry = cache.static(key)
-        if entry is not None:
-            found = cache.locate(entry, roots, routes)
-            if found is not None:
-                targets, target_routes = cache.targets(entry, routes)
-                return Program(entry.planned, found, routes, options, targets=targets, target_routes=target_routes)
+        followed = _followed(cache, key, roots, routes, options)
+        if followed is not None:
+            return followed
         confirmed = cache.confirmed(key)
     marks = cache.marks(routes)[0] if cache is not None else param_marks(routes)
     start = time.perf_counter()
     g = walk(roots, marks) if graph is None else graph
     walked = time.perf_counter() - start if backward and graph is None else None
-    if any(t.__name__ == "CheckpointFunctionBackward" for t in g.kinds):
-        raise ValueError(
-            "the losses' graph contains a reentrant torch.utils.checkpoint segment (use_reentrant=True): its "
-            "backward refuses `torch.autograd.grad` and `backward(inputs=...)`, which routing needs, and hides "
-            "the parameters inside it; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or "
-            "gradroute.checkpoint"
-        )
+    _refuse_reentrant(g)
     if confirmed is not None and not (confirmed.signature is g.signature or confirmed.signature == g.signature):
         raise RuntimeError(_changed(routes))
     hit = cache.lookup(key, g.signature) if cache is not None else None
@@ -133,6 +125,31 @@ def build(
         if walked is not None:
             cache.walked(key, entry, walked)
     return Program(planned, g, routes, options)
+
+
+def _followed(
+    cache: PlanCache, key: tuple, roots: Sequence[Node], routes: Sequence[Route], options: PlanOptions
+) -> Program | None:
+    """The program of a static graph's backward that follows the confirmed paths (NOTE [Static graphs] in
+    ``cache.py``), or None where this backward walks: the periodic check, or a node on the paths changed."""
+    entry = cache.static(key)
+    if entry is None:
+        return None
+    found = cache.locate(entry, roots, routes)
+    if found is None:
+        return None
+    targets, target_routes = cache.targets(entry, routes)
+    return Program(entry.planned, found, routes, options, targets=targets, target_routes=target_routes)
+
+
+def _refuse_reentrant(g: Graph) -> None:
+    if any(t.__name__ == "CheckpointFunctionBackward" for t in g.kinds):
+        raise ValueError(
+            "the losses' graph contains a reentrant torch.utils.checkpoint segment (use_reentrant=True): its "
+            "backward refuses `torch.autograd.grad` and `backward(inputs=...)`, which routing needs, and hides "
+            "the parameters inside it; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) or "
+            "gradroute.checkpoint"
+        )
 
 
 def _changed(routes: Sequence[Route]) -> str:

@@ -224,8 +224,8 @@ class Router:
         plan = _with_other_groups(
             program, {n: g.params for n, g in self._groups.items() if n not in program.plan.reach}
         )
-        notes = [*plan.notes, *self._notes(program)]
-        return dataclasses.replace(plan, notes=tuple(notes)) if len(notes) > len(plan.notes) else plan
+        extra = self._notes(program)
+        return dataclasses.replace(plan, notes=(*plan.notes, *extra)) if extra else plan
 
     def step(self) -> StepStats:
         """Close a micro-batch; on every ``accumulate``-th call, step every group's optimizer and scheduler.

@@ -133,7 +133,6 @@ def test_engine_threads_are_not_watched_without_a_live_segment() -> None:
     """No gradroute.checkpoint segment alive anywhere: nothing would ask, so the engine calls carry no pre-hooks
     for it (a host cost per call); the calling thread still knows its session."""
     gc.collect()  # segments of earlier tests
-    _checkpoint.segments()  # prunes the calling thread's records of them
     assert not _checkpoint.maybe_live(), "a segment of an earlier test is still alive"
     seen = _device_thread_sessions(segment=False)
     assert len(seen) > 4

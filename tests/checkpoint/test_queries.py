@@ -1,12 +1,15 @@
-"""What the planner asks: the bytes a node's placeholders stand for, the checkpoint kind of a node."""
+"""What the planner and the router ask: the bytes a node's placeholders stand for, the checkpoint kind of a node,
+whether a segment may be alive."""
 
 from __future__ import annotations
+
+import gc
 
 import torch
 
 import gradroute
 from gradroute import _compat
-from gradroute._checkpoint import _queries, checkpoint_kind, held_bytes
+from gradroute._checkpoint import _queries, checkpoint_kind, held_bytes, maybe_live
 
 from ._helpers import torch_ck
 
@@ -40,3 +43,16 @@ def test_checkpoint_kind_names_the_checkpoint() -> None:
     assert checkpoint_kind((x + 1).grad_fn) is None  # saves nothing
     ours.sum().backward()
     assert checkpoint_kind(ours.grad_fn.next_functions[0][0]) is None  # freed
+
+
+def test_no_segment_is_live_once_the_graphs_holding_them_are_gone() -> None:
+    # the router asks on every routed backward (a live segment costs each engine call a pre-hook): segments
+    # whose graphs are gone must not count, though their records are pruned only now and then
+    gc.collect()  # graphs of earlier tests left in reference cycles
+    x = torch.randn(2, 3, requires_grad=True)
+    losses = [gradroute.checkpoint(torch.sin, x).sum() for _ in range(3)]
+    assert maybe_live()
+    losses[0].backward()
+    assert maybe_live()  # the nodes, and so the segments, live while the losses do
+    del losses
+    assert not maybe_live()

@@ -8,7 +8,7 @@ from typing import Any
 from .. import _compat
 from .._compat import TorchPlaceholder, saved_attrs
 from ._placeholder import Placeholder
-from ._registry import SegmentRegistry, merged_ranges, none_recorded, others_have_segments, this_thread
+from ._registry import SegmentRegistry, merged_ranges, none_live, others_have_segments, this_thread
 
 
 def _saved_data(node: Any) -> list[Any]:
@@ -56,7 +56,7 @@ def segments(nodes: Iterable[Any] | None = None) -> list[tuple[int, int]]:
 def maybe_live() -> bool:
     """Whether a ``gradroute.checkpoint`` segment may be alive in this process (False: none is, so no graph
     holds a placeholder to unpack; the router then skips what only those unpacks need)."""
-    return not none_recorded()
+    return not none_live()
 
 
 def held_bytes(node: Any) -> int:

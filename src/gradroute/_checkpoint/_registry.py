@@ -74,6 +74,13 @@ class SegmentRegistry:
         """How many ranges are recorded (live or not yet pruned)."""
         return len(self._entries)
 
+    def any_live(self) -> bool:
+        """Whether a recorded segment is still alive (the records of dead ones are dropped when one is found)."""
+        if not self._entries:  # the usual case without segments: no lock
+            return False
+        with self._lock:
+            return bool(self._prune())
+
     def _prune(self) -> list[tuple[int, int, weakref.ref[Any]]]:
         self._entries = [(a, b, f) for a, b, f in self._entries if f() is not None]
         self._prune_at = max(_MIN_PRUNE_AT, 2 * len(self._entries))
@@ -99,10 +106,10 @@ def others_have_segments() -> bool:
     return any(r is not mine and r.ranges() for r in list(_all))
 
 
-def none_recorded() -> bool:
-    """Whether no thread holds a recorded segment, live or not yet pruned: then no ``gradroute.checkpoint``
-    placeholder is alive anywhere (a live frame's range stays recorded). Cheap: no pruning, no lock."""
-    return not any(len(r) for r in list(_all))
+def none_live() -> bool:
+    """Whether no thread has a live segment: then no ``gradroute.checkpoint`` placeholder is alive anywhere (a
+    live frame's range stays recorded). Without records, no lock is taken."""
+    return not any(r.any_live() for r in list(_all))
 
 
 def merged_ranges(registries: Iterable[SegmentRegistry]) -> list[tuple[int, int]]:

@@ -288,3 +288,46 @@ def test_stateless_nodes_are_those_that_save_no_tensors(op, expected):
         total = out.sum()
         first = torch.autograd.grad(total, x)
         torch.testing.assert_close(torch.autograd.grad(total, x), first, rtol=0, atol=0)
+
+
+def _segmented(mode: str, tenc: torch.nn.Module, layers: torch.nn.ModuleList) -> dict[str, torch.Tensor]:
+    """The tenc -> 4-layer chain with its layers checkpointed by ``gradroute.checkpoint`` one by one, in pairs,
+    a pair holding a nested segment, or not at all."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), dtype=D)
+    h = tenc(x)
+    pair = lambda i: lambda t: layers[i + 1](layers[i](t))  # noqa: E731
+    nested = lambda t: layers[1](gradroute.checkpoint(layers[0], t))  # noqa: E731
+    blocks = {
+        "none": [],
+        "each": [layers[i] for i in range(4)],
+        "pairs": [pair(0), pair(2)],
+        "nested": [nested, pair(2)],
+    }[mode]
+    for block in blocks:
+        h = gradroute.checkpoint(block, h)
+    if mode == "none":
+        for layer in layers:
+            h = layer(h)
+    loss = h.pow(2)
+    return {"tenc": loss.mean(), "unet": (loss * (x > 0)).mean()}
+
+
+def test_cache_tells_graphs_apart_by_their_checkpointed_segments():
+    # the analysis reads the segments (chunks, recomputation per call), which the signature does not list: it
+    # must still differ between segmentations (gradroute.checkpoint gives a segment's outputs views of their
+    # own), or one segmentation's plan would run on another's graph
+    torch.manual_seed(0)
+    tenc = torch.nn.Linear(4, 4).to(D)
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(4)).to(D)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(layers.parameters())}
+    router = gradroute.Router(**groups, autotune=False)
+    modes = ["none", "each", "pairs", "nested"]
+    for mode in modes * 2:
+        expected = reference_grads(lambda mode=mode: _segmented(mode, tenc, layers), groups)
+        for p in groups["tenc"] + groups["unet"]:
+            p.grad = None
+        router.backward(**_segmented(mode, tenc, layers))
+        assert_grads_match(groups["tenc"] + groups["unet"], expected, rtol=1e-9, atol=1e-12)
+        fresh = gradroute.Router(**groups, autotune=False).plan(**_segmented(mode, tenc, layers))
+        assert router.plan(**_segmented(mode, tenc, layers)) == fresh, mode
+    assert router._cache.misses == len(modes)

@@ -43,8 +43,10 @@ class PlanCache:
     their input slots, which leaves are which group parameters, where the losses enter): the walk that
     computes the signature runs on every call, only the analysis is skipped. Parameters are compared by
     identity; the router holds them, so their ids cannot be reused while the cache exists. (The analysis also
-    reads the live ``gradroute.checkpoint`` segments, which the signature does not record: a graph of equal
-    structure with other segments gets the plan made for the first, exact, with the first's memory plan.)
+    reads the live ``gradroute.checkpoint`` segments, which show in the structure: a segment gives its outputs
+    views of their own, so another segmentation is another signature. It reads the bytes a recomputation
+    holds, which the signature does not record: a graph of equal structure with other tensor sizes gets the
+    plan made for the first, exact, with the first's choice of which segments to recompute per call.)
 
     NOTE [Several graphs per call shape]
     A call shape can alternate between graphs: a loop that switches checkpointing on and off, a model with an

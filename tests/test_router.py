@@ -513,15 +513,15 @@ def test_loss_reaching_none_of_its_group_fails():
     assert _untouched(tenc, unet)
 
 
-def test_freed_graph_fails_plainly():
+@pytest.mark.parametrize("earlier", [False, True], ids=["grad_none_undone", "grad_there_probed"])
+def test_freed_graph_fails_plainly(earlier):
     router, out, tenc, unet = _router_and_losses()
     loss = out.pow(2).mean()
     loss.backward()
-    for p in [*tenc.parameters(), *unet.parameters()]:
-        p.grad = None
+    before = _grads_before(earlier, tenc, unet)
     with pytest.raises(gradroute.GraphFreedError, match=r"already freed by an earlier backward"):
         router.backward(tenc=loss, unet=loss)
-    assert _untouched(tenc, unet)
+    _as_before(before, tenc, unet)
 
 
 def test_backward_twice_on_same_losses_fails_plainly(chain):
@@ -564,30 +564,87 @@ def test_groups_not_a_mapping_fails():
         gradroute.Router([mlp(2, 2)])  # type: ignore[arg-type]
 
 
-def test_graph_freed_in_part_fails_before_any_gradient_is_written():
-    """Another backward freed the nodes the losses share below `tenc`: refused before the unet's pass runs."""
+def _grads_before(earlier: bool, *modules: nn.Module) -> list[torch.Tensor | None]:
+    """Set every ``.grad`` to a gradient of an earlier micro-batch (``earlier``) or to None; returns copies."""
+    for k, p in enumerate(p for m in modules for p in m.parameters()):
+        p.grad = torch.full_like(p, 0.5 + k) if earlier else None
+    return [None if p.grad is None else p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def _as_before(before: list[torch.Tensor | None], *modules: nn.Module) -> None:
+    for p, b in zip((p for m in modules for p in m.parameters()), before, strict=True):
+        if b is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
+
+
+# the engine reports a freed node in the call that runs it, naming that call's groups; the probe names the
+# losses whose graphs reach it (NOTE [Undoing a failed routed backward])
+_FREED_IN_PART = r"(a loss routed to `tenc`, `unet`|loss for group `tenc`): .* already freed"
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["grad_none_undone", "grad_there_probed"])
+def test_graph_freed_in_part_fails_with_every_gradient_as_before(earlier):
+    """Another backward freed the nodes the losses share below `tenc`."""
     router, _, tenc, unet = _router_and_losses()
     h = tenc(torch.randn(5, 4, dtype=D))
     out = unet(h)
     h.exp().sum().backward()
-    for p in tenc.parameters():
-        p.grad = None
-    with pytest.raises(gradroute.GraphFreedError, match=r"a loss routed to `tenc`, `unet`: .* already freed"):
+    before = _grads_before(earlier, tenc, unet)
+    with pytest.raises(gradroute.GraphFreedError, match=_FREED_IN_PART):
         router.backward(tenc=out.mean(), unet=out.pow(2).mean())
-    assert _untouched(tenc, unet)
+    _as_before(before, tenc, unet)
 
 
-def test_graph_freed_only_where_the_first_saved_tensor_is_absent_fails_before_any_gradient_is_written():
+@pytest.mark.parametrize("earlier", [False, True], ids=["grad_none_undone", "grad_there_probed"])
+def test_graph_freed_only_where_the_first_saved_tensor_is_absent_fails_with_every_gradient_as_before(earlier):
     """The freed nodes' first saved tensor is an optional one never defined (a layer norm without weight or
-    bias): the check looks past it."""
+    bias): the probe looks past it."""
     router, _, tenc, unet = _router_and_losses()
     h = tenc(torch.randn(5, 4, dtype=D))
     normed = nn.functional.layer_norm(h, (h.shape[1],))
     torch.autograd.grad(normed.sum(), h)  # frees the layer norm's node only
     out = unet(normed)
+    before = _grads_before(earlier, tenc, unet)
+    with pytest.raises(gradroute.GraphFreedError, match=_FREED_IN_PART):
+        router.backward(tenc=out.mean(), unet=out.pow(2).mean())
+    _as_before(before, tenc, unet)
+
+
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_graph_freed_in_part_with_a_parameter_hook_fails_before_the_hook_runs(hook):
+    """A parameter's hook runs when its gradient is made or written, which emptying ``.grad`` cannot take back:
+    the graph is probed before the first engine call."""
+    router, _, tenc, unet = _router_and_losses()
+    h = tenc(torch.randn(5, 4, dtype=D))
+    out = unet(h)
+    h.exp().sum().backward()
+    _grads_before(False, tenc, unet)
+    ran: list[str] = []
+    getattr(next(unet.parameters()), hook)(lambda _: ran.append(hook))
     with pytest.raises(gradroute.GraphFreedError, match=r"a loss routed to `tenc`, `unet`: .* already freed"):
         router.backward(tenc=out.mean(), unet=out.pow(2).mean())
-    assert _untouched(tenc, unet)
+    assert ran == [] and _untouched(tenc, unet)
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["grad_none", "grad_there"])
+def test_routed_backward_failing_in_the_engine_leaves_empty_gradients_empty(earlier):
+    """A tensor hook raising inside the text encoder's pass, after the unet's pass wrote its gradients: those
+    are emptied again when every ``.grad`` was None before; added ones are not taken back (README)."""
+    router, _, tenc, unet = _router_and_losses()
+    inner = tenc[0](torch.randn(5, 4, dtype=D))
+    inner.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("a hook failed")))
+    out = unet(tenc[1:](inner))
+    before = _grads_before(earlier, tenc, unet)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        router.backward(tenc=out.mean(), unet=out.pow(2).mean())
+    if not earlier:
+        _as_before(before, tenc, unet)
+    else:  # the unet's pass ran first and added its gradients
+        assert any(
+            not torch.equal(p.grad, b) for p, b in zip(unet.parameters(), before[len(list(tenc.parameters())) :])
+        )
 
 
 def test_complex_loss_fails():

@@ -40,6 +40,7 @@ API                                         releases      without it
 ``OpOverload._schema``,
 ``UntypedStorage._cdata``, ``Tensor._version``,
 ``Tensor._backward_hooks``,
+``Tensor._post_accumulate_grad_hooks``,
 ``torch._C.DisableTorchFunctionSubclass``
 ``torch._dynamo.eval_frame.OptimizedModule``  all         (read only once ``torch._dynamo`` is imported: nothing
                                                           can be compiled before)
@@ -151,6 +152,7 @@ __all__ = [
     "node_sequence_nr",
     "noop_context_fn",
     "op_schema",
+    "post_accumulate_hooks",
     "queue_engine_callback",
     "saved_attrs",
     "saved_data",
@@ -334,6 +336,11 @@ def queue_engine_callback(fn: Callable[[], None]) -> None:
 def backward_hooks(t: torch.Tensor) -> dict[Any, Any] | None:
     """The ``Tensor.register_hook`` hooks of ``t`` (its private dict), None if it has none."""
     return t._backward_hooks
+
+
+def post_accumulate_hooks(t: torch.Tensor) -> dict[Any, Any] | None:
+    """The ``Tensor.register_post_accumulate_grad_hook`` hooks of ``t`` (its private dict), None if it has none."""
+    return t._post_accumulate_grad_hooks  # type: ignore[attr-defined,no-any-return]
 
 
 no_autocast: Callable[[], Any] = getattr(torch._C, "_DisableAutocast", contextlib.nullcontext)

@@ -8,10 +8,11 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from ._compat import backward_hooks, engine_run_backward
+from ._compat import backward_hooks, engine_run_backward, post_accumulate_hooks
 from ._options import PlanOptions
 from ._planner import Program
 from ._session import routed_backward
+from ._types import Route
 
 _FREED = "backward through the graph a second time"
 
@@ -19,7 +20,7 @@ _FREED = "backward through the graph a second time"
 class GraphFreedError(RuntimeError):
     """A routed loss's autograd graph was already freed by an earlier backward.
 
-    Raised before any ``.grad`` is touched.
+    Every ``.grad`` is then as it was before the routed backward (NOTE [Undoing a failed routed backward]).
 
     Example:
         >>> import torch, gradroute
@@ -34,7 +35,13 @@ class GraphFreedError(RuntimeError):
     """
 
 
-def freed_message(what: str) -> str:
+def freed_message(groups: Sequence[str]) -> str:
+    """The message of a :class:`GraphFreedError` for the losses routed to ``groups`` (those reaching the node)."""
+    what = (
+        f"loss for group `{groups[0]}`"
+        if len(groups) == 1
+        else "a loss routed to " + ", ".join(f"`{n}`" for n in groups)
+    )
     return (
         f"{what}: its autograd graph was already freed by an earlier backward (a loss can be backpropagated "
         "once; run a new forward for every backward, and do not call `.backward()` on a loss you route)"
@@ -98,12 +105,41 @@ def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
     return hook
 
 
+# NOTE [Undoing a failed routed backward]
+# A routed backward must refuse a graph that an earlier backward freed, even in part, with every ``.grad`` as
+# it was: the engine reports a freed node only when it runs it, possibly after earlier calls (or earlier nodes
+# of the same call) wrote ``.grad``. Two ways keep that promise:
+#   - the walk's probe (``_graph.walk``) reads one saved tensor of every node that keeps tensors before the
+#     first engine call: about a third of the walk, the largest part of the router's own cost per backward
+#     after the sweep itself when tensors are small;
+#   - undoing: when every routed parameter's ``.grad`` is None before the backward (the usual case: zero_grad
+#     with set_to_none before each step, no accumulation), putting None back undoes every write. Then the
+#     walk skips the probe, and anything the engine raises (a freed node, an out-of-memory error, a hook that
+#     raises, Ctrl-C) leaves ``.grad`` as it was.
+# Undoing cannot take back what runs when a gradient is written: ``register_hook`` and
+# ``register_post_accumulate_grad_hook`` hooks on the parameters (an optimizer stepped in a hook), DDP's
+# all-reduce and FSDP2's reduce-scatter. Backwards where one of these is there, or where a ``.grad`` holds
+# a gradient to add to, probe instead (``undoable``; the router knows about DDP and FSDP2). ``Router.grads``
+# writes no ``.grad``: it needs neither.
+
+
+def undoable(routes: Sequence[Route]) -> bool:
+    """Whether a failed routed backward of ``routes`` can be undone by setting every routed parameter's ``.grad``
+    back to None (NOTE [Undoing a failed routed backward]); DDP and FSDP2 are the caller's to rule out."""
+    for r in routes:
+        for p in r.params:
+            if p.grad is not None or backward_hooks(p) is not None or post_accumulate_hooks(p) is not None:
+                return False
+    return True
+
+
 def execute(
     program: Program,
     *,
     accumulate: bool,
     remake_min_bytes: int = PlanOptions.remake_min_bytes,
     watch: bool = True,
+    undo: bool = False,
 ) -> list[dict[int, torch.Tensor]]:
     """Run ``program``.
 
@@ -114,6 +150,8 @@ def execute(
         watch: let autograd's device threads recognise this routed backward (``_session.Session.watch``: a
             pre-hook on every node an engine call starts from). Only ``gradroute.checkpoint``'s unpacks ask
             (the calling thread knows it without): the router passes False while no segment is alive.
+        undo: every routed parameter's ``.grad`` was None (``undoable``): if anything raises, they are set
+            back to None before it propagates.
 
     Returns:
         With ``accumulate=False``: per route, ``id(param) -> gradient``. Otherwise empty dicts.
@@ -129,8 +167,15 @@ def execute(
         if watch
         else []
     )
-    with routed_backward(remake_min_bytes, recompute_per_call=per_call, starts=starts):
-        return _run(program, accumulate)
+    try:
+        with routed_backward(remake_min_bytes, recompute_per_call=per_call, starts=starts):
+            return _run(program, accumulate)
+    except BaseException:
+        if undo:
+            for r in program.routes:
+                for p in r.params:
+                    p.grad = None
+        raise
 
 
 def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
@@ -165,7 +210,7 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
                 )
             except RuntimeError as e:
                 if _FREED in str(e):
-                    raise GraphFreedError(freed_message("a routed loss")) from e
+                    raise GraphFreedError(freed_message(call.groups)) from e
                 raise
         finally:
             handoff.close()

@@ -83,10 +83,12 @@ def root_node(tensor: torch.Tensor) -> Node:
     return fn if fn is not None else get_gradient_edge(tensor).node
 
 
-def walk(roots: list[Node], params: dict[int, int]) -> Graph:
+def walk(roots: list[Node], params: dict[int, int], *, probe: bool = True) -> Graph:
     """Collect the graph below ``roots`` with one breadth-first sweep, and find a node freed by a backward.
 
     ``params`` maps ``id(parameter)`` of the routed groups' parameters to a mark recorded in the signature.
+    ``probe=False`` skips the freed check (``Graph.freed`` is then None): for a backward that writes no
+    ``.grad``, or whose writes the router can undo (NOTE [Undoing a failed routed backward] in ``_execute.py``).
 
     NOTE [One walk: structure, signature and the freed check]
     This runs on every routed backward, cache hit or not, and costs about a microsecond per node in a real
@@ -97,7 +99,8 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     looks only at nodes that keep tensors (their classes have saved attributes), at the first defined saved
     tensor each holds: a non-retaining backward releases all of a node's saved tensors at once
     (``node_state``). It runs on the whole graph, so a graph freed only in part (another loss's
-    ``.backward()`` freed the nodes they share) is refused before any engine call.
+    ``.backward()`` freed the nodes they share) is refused before any engine call. It is about a third of the
+    walk; without it, the engine refuses a freed node it reaches when it runs it.
     """
     index: dict[Node, int] = {}
     nodes: list[Node] = []
@@ -110,7 +113,7 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
     ends: list[int] = []
     leaf: dict[int, torch.Tensor] = {}
     marks: list[int] = []
-    freed: int | None = None
+    freed: int | None = None if probe else -1  # -1: the check below is skipped, at no cost per node
     saved, accumulate, raw = SAVED_ATTRS, _ACCUMULATE_GRAD, SAVED_TENSOR  # looked up once
     fast = SAVED_DATA
     i = 0
@@ -148,6 +151,8 @@ def walk(roots: list[Node], params: dict[int, int]) -> Graph:
                 if (type(item) is not raw or item.data is None) and node_state(node, names) == "freed":
                     freed = i
         i += 1
+    if freed == -1:
+        freed = None
     sig = [[index[r] for r in roots], classes, edges, marks, ends]  # marks at 3 (``signature_marks``)
     return Graph(
         nodes=nodes, leaf=leaf, index=index, signature=sig, kinds=set(classes), freed=freed, edges=edges, ends=ends

@@ -16,7 +16,7 @@ from ._accelerate import adopt_prepared, check_backward, link_accelerator
 from ._autotune import Autotune, Tuner
 from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, has_dtensor, live_params
-from ._execute import GraphFreedError, execute, freed_message
+from ._execute import GraphFreedError, execute, freed_message, undoable
 from ._graph import Graph, reaches, root_node
 from ._group import Group, GroupLike
 from ._options import PlanOptions
@@ -194,7 +194,7 @@ class Router:
             ValueError, TypeError: a bad loss or group name, a loss that is not a real floating-point scalar;
                 raised before any ``.grad`` is touched.
             gradroute.GraphFreedError: the graph of a loss (or a part it shares with the others) was freed
-                by an earlier backward; every loss's graph is checked before the first engine call.
+                by an earlier backward; every ``.grad`` is then as it was (the README's "Guarantees").
         """
         check_backward(self._accelerator, self._stepper.accumulate)
         routes = self._routes(losses, named_losses, "backward")
@@ -316,15 +316,19 @@ class Router:
 
     def _route(self, routes: list[Route], *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
         """Plan and run ``routes`` (:meth:`backward` accumulates and merges shared routes; :meth:`grads` collects
-        each route's own gradients); every loss's graph is checked before the first engine call."""
+        each route's own gradients); a freed graph is refused with every ``.grad`` as it was (NOTE [Undoing a failed
+        routed backward])."""
+        # a backward whose writes can be undone needs no freed probe (NOTE [Undoing a failed routed backward])
+        undo = accumulate and not self._sharded and not self._stepper.distributed() and undoable(routes)
         with _collector_paused():
-            program = self._program(routes, merge_shared=accumulate, backward=True)
+            program = self._program(routes, merge_shared=accumulate, backward=True, probe=accumulate and not undo)
             with self._trial():
                 out = execute(
                     program,
                     accumulate=accumulate,
                     remake_min_bytes=program.options.remake_min_bytes,
                     watch=_checkpoint.maybe_live(),
+                    undo=undo,
                 )
             del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
         return out
@@ -368,9 +372,11 @@ class Router:
             routes.append(Route(name=name, losses=tensors, params=params))
         return routes
 
-    def _program(self, routes: list[Route], *, merge_shared: bool, backward: bool = False) -> Program:
+    def _program(
+        self, routes: list[Route], *, merge_shared: bool, backward: bool = False, probe: bool = True
+    ) -> Program:
         """The program for ``routes``; ``backward``: for a routed backward (may follow a static graph), not a
-        :meth:`plan`."""
+        :meth:`plan`; ``probe``: look for freed nodes while walking."""
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
         # them: keep each pass through it in one call
         fsdp2 = bool(self._sharded) and fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
@@ -389,6 +395,7 @@ class Router:
                 graph=graph,
                 static=static,
                 backward=backward,
+                probe=probe,
             )
 
         if self._tuner is None:
@@ -563,7 +570,4 @@ def _check_not_freed(program: Program) -> None:
     names = [r.name for r in program.routes]
     if not g.located:  # a located graph has no edges to search
         names = [r.name for r in program.routes if reaches(g, [g.index[root_node(t)] for t in r.losses], g.freed)]
-    what = (
-        f"loss for group `{names[0]}`" if len(names) == 1 else "a loss routed to " + ", ".join(f"`{n}`" for n in names)
-    )
-    raise GraphFreedError(freed_message(what))
+    raise GraphFreedError(freed_message(names))

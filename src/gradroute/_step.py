@@ -188,6 +188,10 @@ class Stepper:
     def _scaling(self) -> bool:
         return self._scaler.enabled
 
+    def distributed(self) -> bool:
+        """Whether a DDP module holds any of the groups' parameters (as found by the last ``before_backward``)."""
+        return bool(self._sync.ddp())
+
     def before_backward(self, routes: list[Route]) -> list[Route]:
         """Record the losses' values; return routes whose losses are divided by ``accumulate`` and scaled."""
         self._sync.check(routes)

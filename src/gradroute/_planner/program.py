@@ -60,6 +60,7 @@ def build(
     graph: Graph | None = None,
     static: bool = False,
     backward: bool = False,
+    probe: bool = True,
 ) -> Program:
     """Walk the graph of ``routes`` and plan it (or reuse the analysis of an equal graph).
 
@@ -79,6 +80,7 @@ def build(
             ``cache`` made with ``static_graph``).
         backward: this is a routed backward (not ``Router.plan``): its walk is timed for the plan printout
             (``PlanCache.walk_note``).
+        probe: look for nodes freed by an earlier backward while walking (``_graph.walk``).
 
     Raises:
         ValueError: the graph holds a reentrant ``torch.utils.checkpoint`` segment.
@@ -97,7 +99,7 @@ def build(
         confirmed = cache.confirmed(key)
     marks = cache.marks(routes)[0] if cache is not None else param_marks(routes)
     start = time.perf_counter()
-    g = walk(roots, marks) if graph is None else graph
+    g = walk(roots, marks, probe=probe) if graph is None else graph
     walked = time.perf_counter() - start if backward and graph is None else None
     _refuse_reentrant(g)
     if confirmed is not None and not (confirmed.signature is g.signature or confirmed.signature == g.signature):

@@ -9,6 +9,11 @@ cheaper on our machine), and checks that both record the same graph. It also tim
 a sweep that only collects the nodes ``next_functions`` hands out. Medians of the calling thread's CPU time, µs.
 
     PYTHONPATH=src python benchmarks/walk_time.py --baseline OLD/src [--checkpointing] [--repeats 300] [--sd15]
+        [--no-probe]
+
+``--no-probe``: both walks without the freed check, as a routed backward whose ``.grad`` writes the router can undo
+runs it (NOTE [Undoing a failed routed backward] in ``_execute.py``; a baseline from before that has no switch and
+probes).
 
 ``--sd15``: the full SD-1.5 architecture instead (random weights from configs, 8x8 latents, batch 1; needs
 diffusers and transformers, about a minute to build).
@@ -19,7 +24,9 @@ diffusers and transformers, about a minute to build).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -55,9 +62,13 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--sd15", action="store_true", help="the SD-1.5 architecture (8x8 latents) instead")
     parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--no-probe", dest="probe", action="store_false", help="walk without the freed check")
     args = parser.parse_args()
     torch.set_num_threads(1)
     base_walk = _load_baseline(args.baseline).build.__globals__["walk"]
+    this_walk = functools.partial(walk, probe=args.probe)
+    if "probe" in inspect.signature(base_walk).parameters:
+        base_walk = functools.partial(base_walk, probe=args.probe)
     workload = "sd15" if args.sd15 else "sd-tiny"
     size: dict[str, Any] = {"latent_size": 8} if args.sd15 else {"width": 8}
     wl = build(workload, batch_size=1, device=torch.device("cpu"), checkpointing=args.checkpointing, **size)
@@ -68,7 +79,11 @@ def main() -> None:
     for params in (runner.up_params, runner.down_params):
         for p in params:
             marks.setdefault(id(p), len(marks) + 1)
-    walks: dict[str, Callable[[list[Any], dict[int, int]], Any]] = {"this": walk, "baseline": base_walk, "sweep": sweep}
+    walks: dict[str, Callable[[list[Any], dict[int, int]], Any]] = {
+        "this": this_walk,
+        "baseline": base_walk,
+        "sweep": sweep,
+    }
     times: dict[str, list[float]] = {k: [] for k in walks}
     signatures = {}
     gc.disable()  # as in a routed backward (NOTE [The cycle collector and the routed backward])
@@ -91,7 +106,10 @@ def main() -> None:
     same = signatures["this"] == signatures["baseline"]
     medians = ", ".join(f"{k} {1e6 * statistics.median(v):.0f}" for k, v in times.items())
     ratio = statistics.median(a / b for a, b in zip(times["this"], times["baseline"], strict=True))
-    print(f"{workload} host-bound, checkpointing {args.checkpointing}: {nodes} nodes, same graph recorded: {same}")
+    print(
+        f"{workload} host-bound, checkpointing {args.checkpointing}, probe {args.probe}: {nodes} nodes, same graph "
+        f"recorded: {same}"
+    )
     print(f"  walk medians (us): {medians}; this / baseline, median of the steps' ratios: {ratio:.3f}")
 
 

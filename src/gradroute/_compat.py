@@ -96,6 +96,7 @@ without hooks. The probe stops at the first live tensor, so at most one tensor p
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 import sys
 import weakref
@@ -138,6 +139,7 @@ __all__ = [
     "fully_shard",
     "get_autocast_kwargs",
     "get_device_states",
+    "grad_and_hooks",
     "inductor_compile",
     "inductor_compile_inner",
     "inductor_config_patch",
@@ -152,7 +154,6 @@ __all__ = [
     "node_sequence_nr",
     "noop_context_fn",
     "op_schema",
-    "post_accumulate_hooks",
     "queue_engine_callback",
     "saved_attrs",
     "saved_data",
@@ -338,9 +339,11 @@ def backward_hooks(t: torch.Tensor) -> dict[Any, Any] | None:
     return t._backward_hooks
 
 
-def post_accumulate_hooks(t: torch.Tensor) -> dict[Any, Any] | None:
-    """The ``Tensor.register_post_accumulate_grad_hook`` hooks of ``t`` (its private dict), None if it has none."""
-    return t._post_accumulate_grad_hooks  # type: ignore[attr-defined,no-any-return]
+#: ``t -> (t.grad, t's register_hook hooks, its register_post_accumulate_grad_hook hooks)``, the hooks as their
+#: private dicts or None, in one C call (a loop over every routed parameter on each backward calls it)
+grad_and_hooks: Callable[[torch.Tensor], tuple[Any, Any, Any]] = operator.attrgetter(
+    "grad", "_backward_hooks", "_post_accumulate_grad_hooks"
+)
 
 
 no_autocast: Callable[[], Any] = getattr(torch._C, "_DisableAutocast", contextlib.nullcontext)

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from ._compat import backward_hooks, engine_run_backward, post_accumulate_hooks
+from ._compat import backward_hooks, engine_run_backward, grad_and_hooks
 from ._options import PlanOptions
 from ._planner import Program
 from ._session import routed_backward
@@ -127,8 +127,8 @@ def undoable(routes: Sequence[Route]) -> bool:
     """Whether a failed routed backward of ``routes`` can be undone by setting every routed parameter's ``.grad``
     back to None (NOTE [Undoing a failed routed backward]); DDP and FSDP2 are the caller's to rule out."""
     for r in routes:
-        for p in r.params:
-            if p.grad is not None or backward_hooks(p) is not None or post_accumulate_hooks(p) is not None:
+        for grad, hooks, post_hooks in map(grad_and_hooks, r.params):
+            if grad is not None or hooks is not None or post_hooks is not None:
                 return False
     return True
 
@@ -190,7 +190,7 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
             t = program.routes[r].losses[k]
             outputs.append(t)
             grad_outputs.append(torch.ones_like(t))
-        targets = program.targets[c] if program.targets is not None else tuple(leaf[j] for j in w.targets)
+        targets = program.targets[c] if program.targets is not None else tuple(map(leaf.__getitem__, w.targets))
         handoff = _Handoff()
         try:
             for j, nr in w.edges_in:

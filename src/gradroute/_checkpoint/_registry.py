@@ -109,7 +109,7 @@ def others_have_segments() -> bool:
 def none_live() -> bool:
     """Whether no thread has a live segment: then no ``gradroute.checkpoint`` placeholder is alive anywhere (a
     live frame's range stays recorded). Without records, no lock is taken."""
-    return not any(r.any_live() for r in list(_all))
+    return not _all or not any(r.any_live() for r in list(_all))  # (``not _all``: no thread ever made one)
 
 
 def merged_ranges(registries: Iterable[SegmentRegistry]) -> list[tuple[int, int]]:

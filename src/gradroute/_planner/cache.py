@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -160,7 +162,7 @@ class PlanCache:
         grad; else those the plan found reached (call :meth:`locate` first)."""
         if entry.any_graph is None:
             return entry.leaf[2], None
-        targets = tuple(tuple(p for p in routes[r].params if p.requires_grad) for r in entry.any_graph)
+        targets = tuple(_trainable(routes[r].params) for r in entry.any_graph)
         if not all(targets):  # a group frozen since: an engine call without inputs would write every leaf
             return entry.leaf[2], None
         return targets, tuple((r,) * len(t) for r, t in zip(entry.any_graph, targets, strict=True))
@@ -208,6 +210,15 @@ _STREAK = 8  # routed backwards in a row with one graph before the plan printout
 # call) is right on any graph when each call backpropagates its route's losses into all of the route's
 # parameters (the engine finds which it reaches), so located backwards of such a plan do that (``_any_graph``).
 # The walk costs about a microsecond per node, following the paths about as much per node on them.
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _trainable(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The parameters that require grad, in C loops (every located backward asks, for every routed parameter)."""
+    flags = list(map(_requires_grad, params))
+    return tuple(params) if all(flags) else tuple(itertools.compress(params, flags))
 
 
 def _wanted(planned: Planned) -> set[int]:

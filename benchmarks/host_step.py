@@ -1,6 +1,6 @@
 """The bench's host-bound steps in CPU time: every strategy against the faster hand-written one, step by step.
 
-    python benchmarks/host_step.py [--checkpointing] [--steps 60]
+    python benchmarks/host_step.py [--checkpointing] [--steps 60] [--processes 10]
     python benchmarks/host_step.py --width 32 --batch-size 16 [--checkpointing]   # the compute-bound regime
 
 ``gradroute bench --workload sd-tiny --width 8 --batch-size 1 --threads 1`` times wall clock, which a shared
@@ -11,12 +11,18 @@ time of the calling thread (with one torch thread the CPU engine runs there), wh
 inflate. Per strategy: the median step, and its ratio to the faster median of ``pruned`` and ``cut`` (as the
 bench reports it). The strategies take turns going first (round ``k`` starts ``k`` places further down the list):
 with one order for every round, a strategy's place in it moved its ratio by several percent on our machine.
+
+``--processes N`` runs N such processes one after another and reports, per strategy, the median and the range
+of their ratios: one process's ratios carry a bias fixed for that process (on our machine, the two hand-written
+strategies, which do the same engine work, differed by up to 10% in one process and by 0.5% in the next).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -33,7 +39,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--width", type=int, default=8, help="the UNet's base channels (the bench's default: 32)")
     p.add_argument("--batch-size", type=int, default=1, help="(the bench's default: 16)")
+    p.add_argument("--processes", type=int, default=1, help="run this many processes; medians of their ratios")
     args = p.parse_args()
+    if args.processes > 1:
+        _over_processes(args.processes)
+        return
     torch.set_num_threads(1)
     wl = build(
         "sd-tiny",
@@ -75,6 +85,27 @@ def main() -> None:
         print(f"| {s} | {v * 1e3:.2f} | {v / hand:.3f} |")
     for s, line in chosen.items():
         print(f"{s}, measured plan choice: {line}")
+
+
+def _over_processes(n: int) -> None:
+    """Run this script ``n`` times (the other arguments passed on); print each strategy's median ratio and range."""
+    argv = sys.argv[1:]
+    if "--processes" in argv:  # "--processes N": its value goes too
+        k = argv.index("--processes")
+        argv = argv[:k] + argv[k + 2 :]
+    argv = [a for a in argv if not a.startswith("--processes=")]
+    ratios: dict[str, list[float]] = {}
+    for _ in range(n):
+        out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if line.startswith("| ") and len(cells) == 3 and cells[0] != "strategy":
+                ratios.setdefault(cells[0], []).append(float(cells[2]))
+    print(f"{n} processes of: host_step.py {' '.join(argv)}")
+    print("| strategy | / faster of pruned, cut: median of the processes | range |")
+    print("|---|---|---|")
+    for name, values in ratios.items():
+        print(f"| {name} | {statistics.median(values):.3f} | {min(values):.3f}-{max(values):.3f} |")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ bench sd-tiny-host      --workload sd-tiny --width 8 --batch-size 1 --threads 1 
 bench sd-tiny-host-ckpt --workload sd-tiny --width 8 --batch-size 1 --threads 1 --steps 30 --warmup 3 --checkpointing
 bench sd-tiny-host-static --workload sd-tiny --width 8 --batch-size 1 --threads 1 --steps 30 --warmup 3 --static-graph
 # the same steps in CPU time (robust to other processes), every gradroute strategy with and without static_graph
-PYTHONPATH=src "$PY" benchmarks/host_step.py > "$out/host-step.txt"
-PYTHONPATH=src "$PY" benchmarks/host_step.py --checkpointing --steps 40 > "$out/host-step-ckpt.txt"
+# (medians over processes: one process's ratios carry a bias of their own, see the script)
+PYTHONPATH=src "$PY" benchmarks/host_step.py --processes 10 > "$out/host-step.txt"
+PYTHONPATH=src "$PY" benchmarks/host_step.py --checkpointing --steps 40 --processes 6 > "$out/host-step-ckpt.txt"
 # and the compute-bound regime (the bench's default sd-tiny size) in CPU time, one thread
 PYTHONPATH=src "$PY" benchmarks/host_step.py --width 32 --batch-size 16 --steps 20 --warmup 3 > "$out/compute-step.txt"
 PYTHONPATH=src "$PY" benchmarks/host_step.py --width 32 --batch-size 16 --steps 20 --warmup 3 --checkpointing \

@@ -120,7 +120,10 @@ def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
 # ``register_post_accumulate_grad_hook`` hooks on the parameters (an optimizer stepped in a hook), DDP's
 # all-reduce and FSDP2's reduce-scatter. Backwards where one of these is there, or where a ``.grad`` holds
 # a gradient to add to, probe instead (``undoable``; the router knows about DDP and FSDP2). ``Router.grads``
-# writes no ``.grad``: it needs neither.
+# writes no ``.grad``: it needs neither. Not seen: a hook registered on a parameter's ``AccumulateGrad`` node
+# itself (``node.register_hook``; torch lists a node's hooks nowhere), which a freed graph can then trigger
+# for the parameters written before the engine meets the freed node. Undoing the writes of a backward that
+# adds to earlier gradients would take a second gradient buffer while it runs (or a copy): not done.
 
 
 def undoable(routes: Sequence[Route]) -> bool:

@@ -26,13 +26,15 @@ def _nets() -> tuple[nn.Module, nn.Module]:
     return tenc, unet
 
 
-def _forward(tenc: nn.Module, unet: nn.Module, ckpt: str = "none", branch: bool = False):
+def _forward(tenc: nn.Module, unet: nn.Module, ckpt: str = "none", branch: bool = False, free_tenc: bool = False):
     x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
     target = torch.linspace(0, 1, 15, dtype=D).reshape(5, 3)
     mask = (torch.arange(15).reshape(5, 3) % 2).to(D)
 
     def run() -> dict[str, torch.Tensor]:
         h = tenc(x)
+        if free_tenc:  # another backward frees the text encoder's nodes, away from the losses
+            torch.autograd.grad(h.sum(), list(tenc.parameters()))
         if branch:
             h = h.sin()  # another graph below the losses
         out = gradroute.checkpoint(unet, h) if ckpt == "gradroute" else unet(h)
@@ -166,6 +168,24 @@ def test_static_graph_loss_backpropagated_twice_fails_before_any_gradient_is_wri
         router.backward(**losses)
     for p, b in zip(_params(tenc, unet), before):
         torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
+
+
+def test_static_graph_graph_freed_away_from_the_losses_leaves_empty_gradients_empty():
+    # a located backward probes only near the losses: the engine meets the freed text encoder in the last call,
+    # after the unet's call wrote its gradients; they were None before, so they are None again
+    tenc, unet = _nets()
+    router = gradroute.Router(tenc=tenc, unet=unet, static_graph=True, autotune=False)
+    for _ in range(3):
+        for p in _params(tenc, unet):
+            p.grad = None
+        router.backward(**_forward(tenc, unet)())
+    located = router._cache.located
+    for p in _params(tenc, unet):
+        p.grad = None
+    with pytest.raises(gradroute.GraphFreedError, match=r"loss for group `tenc`: .* already freed"):
+        router.backward(**_forward(tenc, unet, free_tenc=True)())
+    assert router._cache.located == located + 1
+    assert all(p.grad is None for p in _params(tenc, unet))
 
 
 def test_static_graph_off_by_default_walks_every_backward():

@@ -290,3 +290,43 @@ def test_generated_graphs_static_graph_exact(case):
         assert_grads_match(params, expected, rtol=1e-9, atol=1e-12)
     assert router._cache.located == 2
     _collect()
+
+
+class _HookFailed(Exception):
+    pass
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(cases(), checkpointed_cases()), st.data())
+def test_generated_graphs_failing_half_way_leave_empty_gradients_empty(case, data):
+    """A tensor hook on a random node's output raises on its ``n``-th call (an engine failure at a random point
+    of the routed backward, after some engine calls may have written ``.grad``): with every ``.grad`` None before,
+    every ``.grad`` is None after (NOTE [Undoing a failed routed backward]); if the hook never fails, the routed
+    gradients are exact."""
+    forward, groups, params = _build(case)
+    routed_names = [name for name in forward() if name in groups]
+    expected = reference_grads(forward, groups, names=routed_names)
+    outs: dict[int, torch.Tensor] = {}
+    losses = forward(outs)
+    k = data.draw(st.sampled_from([j for j in sorted(outs) if j >= 0 and outs[j].requires_grad]), label="hooked")
+    fail_at = data.draw(st.integers(1, 3), label="fails on call")
+    calls = []
+
+    def hook(g: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise _HookFailed
+
+    outs[k].register_hook(hook)
+    for p in params:
+        p.grad = None
+    router = gradroute.Router(groups, allow_unreached=True, autotune=False)
+    try:
+        router.backward({name: loss for name, loss in losses.items() if name in groups})
+    except _HookFailed:
+        event("failed half-way")
+        assert all(p.grad is None for p in params)
+    else:
+        event("never failed")
+        assert_grads_match(params, expected, rtol=1e-9, atol=1e-12)
+    _collect()

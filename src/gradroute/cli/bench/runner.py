@@ -59,6 +59,11 @@ class Runner:
         return h, losses[self.wl.up_name], losses[self.wl.down_name]
 
     def zero(self) -> None:
+        """Empty every gradient, and the routers' records of the losses since their last step (a training loop's
+        ``router.step()`` empties both; the bench never steps, and a record kept would add each backward's
+        losses to the last ones: an op per loss that a training loop does not pay)."""
+        for router in self._routers.values():
+            router.zero_grad()
         for p in self.all_params:
             p.grad = None
 

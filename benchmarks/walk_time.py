@@ -9,7 +9,10 @@ cheaper on our machine), and checks that both record the same graph. It also tim
 a sweep that only collects the nodes ``next_functions`` hands out. Medians of the calling thread's CPU time, µs.
 
     PYTHONPATH=src python benchmarks/walk_time.py --baseline OLD/src [--checkpointing] [--repeats 300] [--sd15]
-        [--no-probe]
+        [--no-probe] [--cpp]
+
+``--cpp``: also time ``benchmarks/walk_cpp.py``'s C++ sweep, with and without the structure the signature records
+(an experiment: it builds a C++ extension first, and checks that it records the same edges as this tree's walk).
 
 ``--no-probe``: both walks without the freed check, as a routed backward whose ``.grad`` writes the router can undo
 runs it (NOTE [Undoing a failed routed backward] in ``_execute.py``; a baseline from before that has no switch and
@@ -29,6 +32,7 @@ import gc
 import inspect
 import statistics
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +67,7 @@ def main() -> None:
     parser.add_argument("--sd15", action="store_true", help="the SD-1.5 architecture (8x8 latents) instead")
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--no-probe", dest="probe", action="store_false", help="walk without the freed check")
+    parser.add_argument("--cpp", action="store_true", help="also time a C++ sweep (builds benchmarks/walk_cpp.py)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     base_walk = _load_baseline(args.baseline).build.__globals__["walk"]
@@ -84,26 +89,39 @@ def main() -> None:
         "baseline": base_walk,
         "sweep": sweep,
     }
+    if args.cpp:
+        import walk_cpp
+
+        ext = walk_cpp.load()
+        walks["C++ sweep + structure"] = lambda roots, _: ext.sweep(roots)
+        walks["C++ sweep"] = lambda roots, _: ext.bare(roots)
     times: dict[str, list[float]] = {k: [] for k in walks}
     signatures = {}
     gc.disable()  # as in a routed backward (NOTE [The cycle collector and the routed backward])
     try:
+        names = list(walks)
         for step in range(args.repeats):
-            order = list(walks) if step % 2 else ["baseline", "this", "sweep"]  # which runs first matters
-            for name in order:
+            turn = step % len(names)  # each goes first in turn: which runs first after the forwards matters
+            for name in names[turn:] + names[:turn]:
                 fn = walks[name]
                 _, lu, ld = runner.forward()
                 roots = [root_node(lu), root_node(ld)]
                 t = time.thread_time()
                 g = fn(roots, marks)
                 times[name].append(time.thread_time() - t)
-                if step == 0 and name != "sweep":
+                if step == 0 and name in ("this", "baseline"):
                     signatures[name] = (g.signature, sorted(g.leaf), g.freed)
+                elif step == 0 and name == "C++ sweep + structure":
+                    signatures[name] = [array("q", b).tolist() for b in g[1:]]  # edges, ends, leaves
                 del g, lu, ld, roots
     finally:
         gc.enable()
     nodes = len(sweep([root_node(t) for t in runner.forward()[1:]], marks))
     same = signatures["this"] == signatures["baseline"]
+    if args.cpp:
+        sig, leaves, _ = signatures["this"]
+        same_cpp = signatures["C++ sweep + structure"] == [sig[2], sig[4], leaves]
+        print(f"  the C++ sweep records the same edges and leaves: {same_cpp}")
     medians = ", ".join(f"{k} {1e6 * statistics.median(v):.0f}" for k, v in times.items())
     ratio = statistics.median(a / b for a, b in zip(times["this"], times["baseline"], strict=True))
     print(

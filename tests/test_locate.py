@@ -217,3 +217,159 @@ def test_follow_finds_the_same_nodes_in_a_new_graph_and_refuses_another():
         assert found[j] is g2.nodes[j]
     other = _forward(tenc, unet, branch=True)()
     assert follow(p, [other["tenc"].grad_fn, other["unet"].grad_fn]) is None
+
+
+# ---------------------------------------------------------------------- following without a promise (the default)
+
+
+def _chain(tenc: nn.Module, unet: nn.Module, extra: nn.Module, change: str = "none"):
+    """The losses of the chain; ``change`` gives another graph of the same groups: ``"branch"`` (another op
+    below the losses), ``"widen"`` (``extra``, a ``tenc`` parameter the first graphs do not reach),
+    ``"gradroute"`` (the unet checkpointed), ``"detached"`` (the ``tenc`` loss reaches no ``tenc`` parameter),
+    ``"reentrant"`` (the text encoder's last layers in a reentrant ``torch.utils.checkpoint`` segment)."""
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+    target = torch.linspace(0, 1, 15, dtype=D).reshape(5, 3)
+
+    def run() -> dict[str, torch.Tensor]:
+        if change == "reentrant":  # away from the losses, off the paths that are followed
+            h = torch.utils.checkpoint.checkpoint(tenc[1:], tenc[0](x), use_reentrant=True)
+        else:
+            h = tenc(x)
+        if change == "branch":
+            h = h.sin()
+        elif change == "widen":
+            h = h + extra(h)
+        elif change == "detached":
+            h = h.detach().requires_grad_()
+        out = gradroute.checkpoint(unet, h) if change == "gradroute" else unet(h)
+        loss = (out - target).pow(2)
+        return {"tenc": loss.mean(), "unet": loss[:3].mean()}
+
+    return run
+
+
+def _one_call_per_route(**kw):
+    """The nets and a router whose plan is one engine call per route capturing nothing (exact on any graph)."""
+    tenc, unet = _nets()
+    extra = nn.Linear(6, 6).to(D)
+    groups = {"tenc": [*tenc.parameters(), *extra.parameters()], "unet": list(unet.parameters())}
+    kw.setdefault("plan_options", gradroute.PlanOptions(split=False))
+    return tenc, unet, extra, groups, gradroute.Router(groups, autotune=False, **kw)
+
+
+def _routed_exactly(router, forward, groups, steps: int) -> None:
+    """``steps`` routed backwards of ``forward``, each from empty gradients, each against the reference."""
+    expected = reference_grads(forward, groups)
+    params = [p for ps in groups.values() for p in ps]
+    for _ in range(steps):
+        for p in params:
+            p.grad = None
+        router.backward(**forward())
+        assert_grads_match(params, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("ckpt", ["none", "gradroute"])
+def test_default_follows_a_graph_walked_eight_times_in_a_row_whose_plan_is_exact_on_any_graph(ckpt):
+    tenc, unet, extra, groups, router = _one_call_per_route()
+    forward = _chain(tenc, unet, extra, "gradroute" if ckpt == "gradroute" else "none")
+    _routed_exactly(router, forward, groups, steps=8)
+    assert router._cache.located == 0  # walked eight times
+    _routed_exactly(router, forward, groups, steps=31)
+    assert router._cache.located == 31  # followed
+    _routed_exactly(router, forward, groups, steps=2)
+    assert router._cache.located == 32  # the 32nd walks again, then following goes on
+
+
+@pytest.mark.parametrize(
+    ("static_graph", "options"),
+    [(None, gradroute.PlanOptions()), (False, gradroute.PlanOptions(split=False))],
+    ids=["plan depends on the graph", "static_graph=False"],
+)
+def test_default_walks_every_backward_where_the_plan_depends_on_the_graph_or_static_graph_is_false(
+    static_graph, options
+):
+    tenc, unet, extra, groups, router = _one_call_per_route(static_graph=static_graph, plan_options=options)
+    _routed_exactly(router, _chain(tenc, unet, extra), groups, steps=12)
+    assert router._cache.located == 0
+
+
+@pytest.mark.parametrize("change", ["branch", "widen", "gradroute"])
+def test_default_following_stays_exact_when_the_graph_changes_and_plans_the_new_graph(change):
+    tenc, unet, extra, groups, router = _one_call_per_route()
+    _routed_exactly(router, _chain(tenc, unet, extra), groups, steps=10)
+    located = router._cache.located
+    # followed until the periodic walk (no error: nothing was promised), exact all the same
+    _routed_exactly(router, _chain(tenc, unet, extra, change), groups, steps=40)
+    assert router._cache.located > located
+    assert len(router._cache) == 2  # the new graph has its own analysis
+
+
+def test_default_following_a_loss_that_stopped_reaching_its_group_gives_it_nothing_until_the_walk_refuses_it():
+    tenc, unet, extra, groups, router = _one_call_per_route()
+    _routed_exactly(router, _chain(tenc, unet, extra), groups, steps=10)
+    forward = _chain(tenc, unet, extra, "detached")
+    expected = reference_grads(forward, {"unet": groups["unet"]}, names=["unet"])
+    with pytest.raises(ValueError, match=r"loss for group `tenc` reaches none of that group's 6 parameters"):
+        for _ in range(32):
+            for p in _params(tenc, extra, unet):
+                p.grad = None
+            router.backward(**forward())
+            assert all(p.grad is None for p in groups["tenc"])
+            assert_grads_match(groups["unet"], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_default_following_a_graph_that_gained_a_reentrant_checkpoint_fails_naming_it():
+    tenc, unet, extra, groups, router = _one_call_per_route()
+    _routed_exactly(router, _chain(tenc, unet, extra), groups, steps=10)
+    for p in _params(tenc, extra, unet):
+        p.grad = None
+    located = router._cache.located
+    with pytest.raises(ValueError, match=r"reentrant torch.utils.checkpoint segment \(use_reentrant=True\)") as e:
+        router.backward(**_chain(tenc, unet, extra, "reentrant")())
+    assert router._cache.located == located + 1  # followed: the engine refused it first
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert all(p.grad is None for p in _params(tenc, extra, unet))
+    with pytest.raises(ValueError, match=r"reentrant torch.utils.checkpoint segment"):
+        router.backward(**_chain(tenc, unet, extra, "reentrant")())
+    assert router._cache.located == located + 1  # the next backward walked
+
+
+@pytest.mark.parametrize("static_graph", [None, True])
+def test_followed_backward_of_losses_backpropagated_twice_fails_before_adding_to_any_gradient(static_graph):
+    # `a`'s graph keeps no tensors, and its engine call runs first: without a probe past the losses (whose nodes
+    # keep none either), it would add to `a.grad` before `b`'s call met the freed graph
+    a = nn.Parameter(torch.linspace(-1, 1, 6, dtype=D))
+    b = nn.Parameter(torch.linspace(0, 2, 6, dtype=D))
+    router = gradroute.Router(
+        a=[a], b=[b], autotune=False, static_graph=static_graph, plan_options=gradroute.PlanOptions(split=False)
+    )
+
+    def forward() -> dict[str, torch.Tensor]:
+        h = (a + b).sum()  # AddBackward0 and SumBackward0 keep no tensors
+        return {"a": h + 1, "b": h * h + 1}
+
+    assert [c.groups for c in router.plan(**forward()).calls] == [("a",), ("b",)]
+    for _ in range(10):  # gradients add up: every backward probes
+        router.backward(**forward())
+    losses = forward()
+    router.backward(**losses)
+    assert router._cache.located > 0
+    before = [a.grad.clone(), b.grad.clone()]
+    with pytest.raises(gradroute.GraphFreedError, match=r"already freed"):
+        router.backward(**losses)
+    for p, g in zip([a, b], before):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_default_follows_nothing_under_ddp(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tenc, unet, extra, groups, router = _one_call_per_route()
+        d_tenc, d_unet = DDP(tenc), DDP(unet)
+        _routed_exactly(router, _chain(d_tenc, d_unet, extra), groups, steps=12)
+        assert router._cache.located == 0
+    finally:
+        dist.destroy_process_group()

@@ -5,6 +5,7 @@ Only ``Router(static_graph=True)`` uses this; see NOTE [Static graphs] in ``_pla
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -25,9 +26,9 @@ class Paths:
         roots: per root (in the order given to the walk), its node id and class.
         steps: ``(node id, parent id, position in the parent's next_functions, class)``, parents first: each
             node is the first through which the walk found it, so the paths are the shortest.
-        saved: the ids of the first few nodes on the paths (closest to the roots) that keep tensors: the freed
-            check looks at these only, up to the first that holds a defined one (a second backward of the same
-            losses freed them all).
+        saved: the ids of the first few nodes of the graph (closest to the roots, breadth first) that keep
+            tensors, on the paths: the freed check looks at these only, up to the first that holds a defined
+            one (a second backward of the same losses freed them all).
         size: the number of nodes of the graph.
     """
 
@@ -38,15 +39,17 @@ class Paths:
 
 
 def paths(g: Graph, roots: Sequence[Node], wanted: Iterable[int]) -> Paths:
-    """The paths from ``roots`` (the nodes ``g`` was walked from) to the nodes ``wanted`` of ``g``."""
+    """The paths from ``roots`` (the nodes ``g`` was walked from) to the nodes ``wanted`` of ``g``, and to the first
+    few nodes of ``g`` that keep tensors (the freed check's)."""
     root_ids = {g.index[r] for r in roots}
+    keeping = tuple(itertools.islice((j for j, n in enumerate(g.nodes) if saved_attrs(n)), _PROBE))
     parent: dict[int, int] = {}
     for i, out in enumerate(g.succ):  # ids are in breadth-first order: the first parent seen is the walk's
         for j, _ in out:
             if j not in parent and j not in root_ids:
                 parent[j] = i
     on_path: set[int] = set()
-    for j in wanted:
+    for j in (*wanted, *keeping):
         while j not in on_path and j not in root_ids:
             on_path.add(j)
             j = parent[j]
@@ -55,11 +58,10 @@ def paths(g: Graph, roots: Sequence[Node], wanted: Iterable[int]) -> Paths:
         i = parent[j]
         pos = next(k for k, (fn, _) in enumerate(g.nodes[i].next_functions) if fn is g.nodes[j])
         steps.append((j, i, pos, type(g.nodes[j])))
-    reached = [*root_ids, *on_path]
     return Paths(
         roots=tuple((g.index[r], type(r)) for r in roots),
         steps=tuple(steps),
-        saved=tuple(j for j in sorted(reached) if saved_attrs(g.nodes[j]))[:_PROBE],
+        saved=keeping,
         size=len(g.nodes),
     )
 

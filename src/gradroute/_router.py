@@ -20,7 +20,7 @@ from ._execute import GraphFreedError, execute, freed_message, undoable
 from ._graph import Graph, reaches, root_node
 from ._group import Group, GroupLike
 from ._options import PlanOptions
-from ._planner import Checkpoints, Plan, PlanCache, Program, build
+from ._planner import Checkpoints, Plan, PlanCache, Program, build, refuse_reentrant
 from ._step import Stepper, StepStats
 from ._types import Route
 
@@ -78,8 +78,10 @@ class Router:
             ``n``-th; a graph found changed raises RuntimeError before any ``.grad`` is touched. A change off
             those paths between two checks goes unseen, and routes wrong gradients unless the plan makes one
             engine call per loss that captures nothing (those calls then backpropagate into all of their
-            group's parameters): leave it off (the default) for a graph that can change from step to step.
-            See the README's "Static graphs".
+            group's parameters). ``None`` (the default) makes no promise: the graph is walked on every
+            backward, except where 8 walks in a row found the same graph and its plan is one of those (exact
+            on any graph): backwards then follow the paths and walk on every 32nd, and a changed graph is
+            planned anew, not refused. ``False`` walks on every backward. See the README's "Static graphs".
         **named_groups: groups by keyword.
 
     Example:
@@ -106,7 +108,7 @@ class Router:
         atomic_step: bool = True,
         accelerator: Any = None,
         autotune: bool | Autotune = True,
-        static_graph: bool | int = False,
+        static_graph: bool | int | None = None,
         **named_groups: GroupLike,
     ) -> None:
         specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
@@ -132,7 +134,12 @@ class Router:
             raise TypeError(f"`autotune` must be a bool or a gradroute.Autotune, got {type(autotune).__name__}")
         self._tuner = None if settings is None else Tuner(settings, _CHECKPOINTS)
         # room for every candidate's program of two call shapes
-        self._cache = PlanCache(size=8 if settings is None else 16, static_graph=_check_static_graph(static_graph))
+        every = _check_static_graph(static_graph)
+        self._cache = PlanCache(
+            size=8 if settings is None else 16,
+            static_graph=every,
+            follow=_FOLLOW_WALK_EVERY if static_graph is None else 0,
+        )
         self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
         if self._accelerator is not None:
             scaler = self._accelerator.scaler
@@ -323,13 +330,19 @@ class Router:
         with _collector_paused():
             program = self._program(routes, merge_shared=accumulate, backward=True, probe=accumulate and not undo)
             with self._trial():
-                out = execute(
-                    program,
-                    accumulate=accumulate,
-                    remake_min_bytes=program.options.remake_min_bytes,
-                    watch=_checkpoint.maybe_live(),
-                    undo=undo,
-                )
+                try:
+                    out = execute(
+                        program,
+                        accumulate=accumulate,
+                        remake_min_bytes=program.options.remake_min_bytes,
+                        watch=_checkpoint.maybe_live(),
+                        undo=undo,
+                    )
+                except Exception as e:
+                    if program.graph.located:  # followed, not walked: the next backward walks; name the cause
+                        self._cache.recheck()
+                        self._refuse_reentrant(routes, e)
+                    raise
             del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
         return out
 
@@ -382,8 +395,11 @@ class Router:
         fsdp2 = bool(self._sharded) and fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
         options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
 
-        # a static graph is followed, not walked, once nothing is being measured (NOTE [Static graphs])
+        # a static graph is followed, not walked, once nothing is being measured (NOTE [Static graphs]); without
+        # the promise, not under DDP or FSDP2 (NOTE [Following without a promise] in _planner/cache.py)
         static = backward and not self.autotuning
+        if static and not self._cache.static_graph:
+            static = not self._sharded and not self._stepper.distributed()
 
         def make(options: PlanOptions, graph: Graph | None = None) -> Program:
             return build(
@@ -412,6 +428,15 @@ class Router:
                 f"Router(..., allow_unreached=[{bad[0]!r}]) if that is intended"
             )
         return program
+
+    @staticmethod
+    def _refuse_reentrant(routes: list[Route], error: Exception) -> None:
+        """After ``error`` in a backward that followed paths: the walk's error for a reentrant checkpoint segment
+        there, raised from ``error`` (the engine's own names ``.grad()``, which the user never called)."""
+        try:
+            refuse_reentrant(routes)
+        except ValueError as reentrant:
+            raise reentrant from error
 
     def _trial(self) -> Any:
         """The context to run the program just built in: measures it while the tuner is measuring."""
@@ -490,14 +515,21 @@ class _Pauses:
 _PAUSES = _Pauses()
 
 
+_FOLLOW_WALK_EVERY = 32  # without static_graph: every how many backwards a followed graph is walked
+
+
 def _check_static_graph(value: Any) -> int:
-    """``static_graph`` as every how many backwards the whole graph is checked (0: off)."""
+    """``static_graph`` as every how many backwards the whole graph is checked (0: no promise)."""
+    if value is None:
+        return 0
     if isinstance(value, bool):
         return 100 if value else 0
     if not isinstance(value, int):
-        raise TypeError(f"`static_graph` must be a bool or an int, got {type(value).__name__} ({value!r})")
+        raise TypeError(f"`static_graph` must be None, a bool or an int, got {type(value).__name__} ({value!r})")
     if value < 1:
-        raise ValueError(f"`static_graph` must be True, False or an int >= 1 (check every n-th backward), got {value}")
+        raise ValueError(
+            f"`static_graph` must be None, True, False or an int >= 1 (check every n-th backward), got {value}"
+        )
     return value
 
 

@@ -292,6 +292,42 @@ def test_generated_graphs_static_graph_exact(case):
     _collect()
 
 
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(cases(), checkpointed_cases()), st.data())
+def test_generated_graphs_followed_by_default_exact_when_the_graph_changes(case, data):
+    """The default router follows paths where its plan is exact on any graph (NOTE [Following without a promise]):
+    exact on the graph it walked, and on another graph of the same modules (other inputs, activations and views,
+    the checkpointing dropped) until its next walk."""
+    forward, groups, params = _build(case)
+    names = [name for name in forward() if name in groups]
+
+    def routed_exactly(steps: int) -> None:
+        expected = reference_grads(forward, groups, names=names)
+        for _ in range(steps):
+            for p in params:
+                p.grad = None
+            router.backward({name: loss for name, loss in forward().items() if name in groups})
+            assert_grads_match(params, expected, rtol=1e-9, atol=1e-12)
+
+    options = gradroute.PlanOptions(split=False)
+    router = gradroute.Router(groups, allow_unreached=True, autotune=False, plan_options=options)
+    routed_exactly(10)  # walked 8 times, then followed (where the plan is exact on any graph)
+    event(f"followed: {router._cache.located > 0}")
+    rewire = data.draw(st.booleans())  # only other inputs (other parameters reached), or other ops too
+    for k, spec in enumerate(case["nodes"]):  # the same modules, another graph
+        if data.draw(st.booleans()):
+            spec["srcs"] = data.draw(st.lists(st.integers(-1, k - 1), min_size=1, max_size=3, unique=True))
+            spec["wraps"] = ["direct"] * len(spec["srcs"])
+        if not rewire:
+            spec["act"] = data.draw(st.sampled_from(sorted(ACTS)))
+            spec["wraps"] = [data.draw(st.sampled_from(WRAPS)) for _ in spec["srcs"]]
+    case["ckpt"] = ()  # a segment's inputs depend on the wiring
+    located = router._cache.located
+    routed_exactly(3)
+    event(f"another graph followed: {router._cache.located > located}")
+    _collect()
+
+
 class _HookFailed(Exception):
     pass
 

@@ -166,6 +166,26 @@ def test_plan_notes_the_walk_of_a_graph_seen_on_eight_backwards_in_a_row(backwar
         assert notes[0] in str(plan)
 
 
+def test_plan_notes_that_backwards_follow_a_graph_whose_plan_is_exact_on_any_graph():
+    a, b = torch.nn.Linear(3, 3).to(D), torch.nn.Linear(3, 3).to(D)
+    router = gradroute.Router(a=a, b=b, autotune=False, plan_options=gradroute.PlanOptions(split=False))
+
+    def shared() -> dict[str, torch.Tensor]:  # one forward: the first call retains what the second runs
+        h = b(a(torch.ones(2, 3, dtype=D)))
+        return {"a": h.sum(), "b": h.pow(2).sum()}
+
+    for _ in range(12):  # walked 8 times, then followed
+        router.backward(**shared())
+    assert router._cache.located == 4
+    plan = router.plan(**shared())
+    assert _walk_notes(plan) == [
+        "walk: the last 8 walks found this graph, and its plan is exact on any graph: routed backwards follow the "
+        f"paths from the losses instead of walking its {plan.graph_nodes} nodes ("
+        + _walk_notes(plan)[0].split(" nodes (")[1]
+    ]
+    assert _walk_notes(plan)[0].endswith(' ms each), and walk it once every 32 backwards (README, "Static graphs")')
+
+
 def test_plan_notes_no_walk_when_the_graph_alternates():
     router, plain, longer = _two_graphs(autotune=False)
     for _ in range(8):

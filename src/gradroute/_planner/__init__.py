@@ -21,7 +21,7 @@ Nothing here imports the checkpoint module: its segments come in through :class:
 from .build import NO_CHECKPOINTS, Checkpoints, Planned, analyse
 from .cache import PlanCache
 from .plan import Call, Plan, Wiring
-from .program import Program, build
+from .program import Program, build, refuse_reentrant
 
 __all__ = [
     "NO_CHECKPOINTS",
@@ -34,4 +34,5 @@ __all__ = [
     "Wiring",
     "analyse",
     "build",
+    "refuse_reentrant",
 ]

@@ -65,6 +65,8 @@ class Planned:
         per_call: the nodes of checkpoint segments recomputed once per call instead of shared.
         leaf_routes: leaf node id -> the routes whose losses reach it (for the reach of groups not routed).
         held: the most bytes of shared checkpoint recomputations alive at once between calls (``PerCall.held``).
+        any_graph: per call, its route, where the plan is exact on any graph once each call backpropagates
+            into all of its route's parameters (``_any_graph``; NOTE [Static graphs] in ``cache.py``); else None.
     """
 
     plan: Plan
@@ -73,6 +75,7 @@ class Planned:
     per_call: tuple[int, ...]
     leaf_routes: dict[int, int]
     held: int = 0
+    any_graph: tuple[int, ...] | None = None
 
 
 def analyse(
@@ -133,7 +136,29 @@ def analyse(
         per_call=per_call.nodes,
         leaf_routes={i: found.reached_by[i] for i in g.leaf},
         held=per_call.held,
+        any_graph=_any_graph(plan, per_call.nodes, [len(r) for r in roots]),
     )
+
+
+def _any_graph(plan: Plan, per_call: Sequence[int], loss_counts: Sequence[int]) -> tuple[int, ...] | None:
+    """Per call, its route, where ``plan`` gives exact gradients on any graph once each call backpropagates
+    into all of its route's parameters: every call starts from all the losses of one route (and of no other),
+    captures no gradient edge and resumes from none, every route has a call, no segment is recomputed per
+    call, and every call but the last retains the graph (on another graph a later call may need the nodes of
+    an earlier one that this graph's plan lets free). Else None (NOTE [Static graphs])."""
+    if per_call or not all(call.retain for call in plan.calls[:-1]):
+        return None
+    out = []
+    for call in plan.calls:
+        w = call.wiring
+        owners = {r for r, _ in w.losses}
+        if w.edges_in or w.edges_out or len(owners) != 1:
+            return None
+        (r,) = owners
+        if len(w.losses) != loss_counts[r]:  # a loss term the plan found reaching nothing was left out
+            return None
+        out.append(r)
+    return tuple(out) if sorted(out) == list(range(len(loss_counts))) else None
 
 
 def _stage_all(

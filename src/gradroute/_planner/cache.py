@@ -28,8 +28,6 @@ class _Entry:
     paths: Paths | None = None
     leaves: tuple[tuple[int, int], ...] = ()
     since_walk: int = 0
-    # per call, its route, where the plan is one call per route capturing nothing (``_any_graph``); else None
-    any_graph: tuple[int, ...] | None = None
     # routed backwards in a row whose graph was this one, and the last walks' times in seconds (``walk_note``)
     streak: int = 0
     walks: list[float] = field(default_factory=list)
@@ -61,11 +59,15 @@ class PlanCache:
         size: the most analyses kept.
         static_graph: 0, or every how many backwards of a static graph the whole graph is walked and checked
             (NOTE [Static graphs]).
+        follow: without ``static_graph``: 0, or every how many backwards a graph seen ``_STREAK`` times in a row
+            whose plan is right on any graph is walked while the others follow its paths (NOTE [Following
+            without a promise]).
     """
 
-    def __init__(self, size: int = 8, static_graph: int = 0) -> None:
+    def __init__(self, size: int = 8, static_graph: int = 0, follow: int = 0) -> None:
         self.size = size
         self.static_graph = static_graph
+        self.follow = 0 if static_graph else follow
         # key -> entries, most recently used first
         self.entries: dict[tuple, list[_Entry]] = {}
         self.hits = 0
@@ -109,6 +111,12 @@ class PlanCache:
         self.entries.clear()
         self._last_walked.clear()
 
+    def recheck(self) -> None:
+        """Walk the next backward of every call shape (a backward that followed paths failed)."""
+        for found in self.entries.values():
+            for entry in found:
+                entry.since_walk = _WALK_NEXT
+
     def walked(self, key: tuple, entry: _Entry, seconds: float) -> None:
         """A routed backward of call shape ``key`` walked ``entry``'s graph in ``seconds`` (``walk_note``)."""
         entry.streak = entry.streak + 1 if self._last_walked.get(key) is entry else 1
@@ -118,11 +126,18 @@ class PlanCache:
 
     def walk_note(self, planned: Planned, nodes: int) -> str | None:
         """A line for the plan printout where routed backwards walk the same graph again and again (``static_graph``
-        off, ``_STREAK`` or more in a row): the walk's time, and the switch that skips it."""
+        off, ``_STREAK`` or more in a row): the walk's time, and the switch that skips it, or that backwards follow
+        the graph's paths already (NOTE [Following without a promise])."""
         entry = next((e for found in self.entries.values() for e in found if e.planned is planned), None)
         if self.static_graph or entry is None or entry.streak < _STREAK:
             return None
         ms = statistics.median(entry.walks) * 1e3
+        if self.follow and entry.planned.any_graph is not None:
+            return (
+                f"walk: the last {entry.streak} walks found this graph, and its plan is exact on any graph: routed "
+                f"backwards follow the paths from the losses instead of walking its {nodes} nodes ({ms:.2f} ms "
+                f'each), and walk it once every {self.follow} backwards (README, "Static graphs")'
+            )
         return (
             f"walk: the last {entry.streak} routed backwards had this graph; walking its {nodes} nodes took "
             f"{ms:.2f} ms each (median of the last {len(entry.walks)}). If it is the same on every step, "
@@ -146,26 +161,32 @@ class PlanCache:
         found = self.entries.get(key)
         return found[0] if found and found[0].paths is not None else None
 
-    def confirm(self, entry: _Entry, g: Graph, roots: Sequence[Node], routes: Sequence[Route]) -> None:
-        """A static graph ``g`` (walked from ``roots``) equal to ``entry``'s: record the paths later backwards
-        follow (once), restart the count to the next check."""
+    def confirm(self, entry: _Entry, g: Graph, roots: Sequence[Node]) -> None:
+        """A graph ``g`` (walked from ``roots``) equal to ``entry``'s, walked by a backward that may follow paths:
+        restart the count to the next walk, and record the paths later backwards follow (once; without
+        ``static_graph``, only once ``entry`` is one they follow)."""
         entry.since_walk = 0
-        if entry.paths is None:
+        if entry.paths is None and (self.static_graph or self._followable(entry)):
             _record_paths(entry, g, roots)
-            entry.any_graph = _any_graph(entry.planned, [len(r.losses) for r in routes])
+
+    def _followable(self, entry: _Entry) -> bool:
+        """Without ``static_graph``: whether backwards may follow ``entry``'s paths (NOTE [Following without a
+        promise])."""
+        return bool(self.follow) and entry.planned.any_graph is not None and entry.streak >= _STREAK
 
     def targets(
         self, entry: _Entry, routes: Sequence[Route]
-    ) -> tuple[tuple[tuple[torch.Tensor, ...], ...], tuple[tuple[int, ...], ...] | None]:
+    ) -> tuple[tuple[tuple[torch.Tensor, ...], ...], tuple[tuple[int, ...], ...] | None] | None:
         """Per call of a located backward, the parameters it backpropagates into and (or None: the plan's) their
-        routes: for a plan right on any graph (``_any_graph``), every parameter of the call's route that requires
-        grad; else those the plan found reached (call :meth:`locate` first)."""
-        if entry.any_graph is None:
+        routes: for a plan right on any graph (``Planned.any_graph``), every parameter of the call's route that
+        requires grad; else those the plan found reached (call :meth:`locate` first). None where this backward
+        must walk: a group frozen since, without ``static_graph``."""
+        if entry.planned.any_graph is None:
             return entry.leaf[2], None
-        targets = tuple(_trainable(routes[r].params) for r in entry.any_graph)
+        targets = tuple(_trainable(routes[r].params) for r in entry.planned.any_graph)
         if not all(targets):  # a group frozen since: an engine call without inputs would write every leaf
-            return entry.leaf[2], None
-        return targets, tuple((r,) * len(t) for r, t in zip(entry.any_graph, targets, strict=True))
+            return (entry.leaf[2], None) if self.static_graph else None
+        return targets, tuple((r,) * len(t) for r, t in zip(entry.planned.any_graph, targets, strict=True))
 
     def locate(self, entry: _Entry, roots: Sequence[Node], routes: Sequence[Route]) -> Graph | None:
         """The graph below ``roots`` as far as ``entry``'s plan needs it, or None where it differs on the paths
@@ -180,20 +201,24 @@ class PlanCache:
         return located(entry.paths, roots, entry.signature, entry.leaf[1])
 
     def static(self, key: tuple) -> _Entry | None:
-        """The entry whose paths a static graph of call shape ``key`` follows now; None when this backward walks
-        the graph (no graph confirmed yet, or the periodic check is due)."""
-        entry = self.confirmed(key)
-        if not self.static_graph or entry is None:
-            return None
-        if entry.since_walk + 1 >= self.static_graph:
+        """The entry whose paths a backward of call shape ``key`` follows now; None when this backward walks the
+        graph (no graph confirmed yet, or the periodic walk is due). With ``static_graph``: the confirmed graph;
+        else (``follow``): the graph the last walks found, if backwards may follow it."""
+        if self.static_graph:
+            entry, every = self.confirmed(key), self.static_graph
+        else:
+            entry, every = self._last_walked.get(key), self.follow
+            if entry is None or entry.paths is None or not self._followable(entry):
+                return None
+        if entry is None or entry.since_walk + 1 >= every:
             return None
         entry.since_walk += 1
-        self.located += 1
         return entry
 
 
 _WALKS_KEPT = 16  # walk times kept per entry
-_STREAK = 8  # routed backwards in a row with one graph before the plan printout mentions the walk
+_STREAK = 8  # walked backwards in a row with one graph before the printout mentions the walk, or one may follow
+_WALK_NEXT = 1 << 30  # ``since_walk`` that makes the next backward walk
 
 
 # NOTE [Static graphs]
@@ -207,9 +232,27 @@ _STREAK = 8  # routed backwards in a row with one graph before the plan printout
 # and a node freed off the paths (the engine then reports it, possibly after earlier calls wrote ``.grad``).
 # A change off the paths routes wrong gradients only where the plan depends on the graph: a plan of one engine
 # call per route that captures nothing (``PlanOptions(split=False)``, no routes merged, no recomputation per
-# call) is right on any graph when each call backpropagates its route's losses into all of the route's
-# parameters (the engine finds which it reaches), so located backwards of such a plan do that (``_any_graph``).
+# call) and retains the graph in every call but the last is right on any graph when each call backpropagates
+# its route's losses into all of the route's parameters (the engine finds which it reaches), so located
+# backwards of such a plan do that (``Planned.any_graph``). The retaining matters: a plan whose calls share no
+# node lets the first free what it ran, and on a changed graph the second may need those nodes.
 # The walk costs about a microsecond per node, following the paths about as much per node on them.
+
+
+# NOTE [Following without a promise]
+# Without ``static_graph`` (``Router(static_graph=None)``, the default), the router follows paths only where
+# nothing the walk finds could change a gradient: the call shape's last ``_STREAK`` walks found one graph, and
+# its plan is right on any graph (``Planned.any_graph``: one engine call per route, from all its losses into
+# all of its parameters that require grad, capturing nothing; the measured choice keeps such a plan wherever
+# it is as fast). The paths then lead from the losses to a few nodes that keep tensors (the freed check);
+# every ``follow``-th backward walks again. A graph found changed is no error: it is planned as a new graph,
+# and following stops until it, too, has been walked ``_STREAK`` times in a row. The gradients of the
+# backwards in between were exact whatever changed: the engine finds what each call reaches. What waits for
+# the next walk: refusing a reentrant ``torch.utils.checkpoint`` segment that appeared since (the engine
+# refuses it; a followed backward that raises makes the next one walk, and the router walks at once to name
+# the cause), the error for a loss that stopped reaching its group (its group then gets no gradient from
+# it), and a better plan for the new graph. A group frozen since makes the backward walk. Off under DDP and
+# FSDP2 (the router's ``_follow``), whose hooks expect the plan's parameters.
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -240,26 +283,6 @@ def _record_paths(entry: _Entry, g: Graph, roots: Sequence[Node]) -> None:
     targets = {j for call in entry.planned.plan.calls for j in call.wiring.targets}
     entry.leaves = tuple((j, mark_of[j]) for j in sorted(targets))
     entry.paths = paths(g, roots, _wanted(entry.planned))
-
-
-def _any_graph(planned: Planned, loss_counts: Sequence[int]) -> tuple[int, ...] | None:
-    """Per call, its route, where ``planned`` gives exact gradients on any graph once each call backpropagates
-    into all of its route's parameters: every call starts from all the losses of one route (and of no other),
-    captures no gradient edge and resumes from none, every route has a call, and no segment is recomputed per
-    call. Else None (NOTE [Static graphs])."""
-    if planned.per_call:
-        return None
-    out = []
-    for call in planned.plan.calls:
-        w = call.wiring
-        owners = {r for r, _ in w.losses}
-        if w.edges_in or w.edges_out or len(owners) != 1:
-            return None
-        (r,) = owners
-        if len(w.losses) != loss_counts[r]:  # a loss term the plan found reaching nothing was left out
-            return None
-        out.append(r)
-    return tuple(out) if sorted(out) == list(range(len(loss_counts))) else None
 
 
 def param_marks(routes: Sequence[Route]) -> dict[int, int]:

@@ -76,8 +76,9 @@ def build(
         checkpoints: the live ``gradroute.checkpoint`` segments and their sizes.
         graph: the graph of these same ``routes`` from an earlier ``build`` (planned again with other
             ``options``: the measured choice), so that it is not walked again.
-        static: the graph of this call shape is the same on every call (NOTE [Static graphs] in ``cache.py``; needs a
-            ``cache`` made with ``static_graph``).
+        static: this backward may follow the paths of a graph walked before instead of walking (needs a
+            ``cache`` made with ``static_graph``, NOTE [Static graphs] in ``cache.py``, or with ``follow``, NOTE
+            [Following without a promise] there).
         backward: this is a routed backward (not ``Router.plan``): its walk is timed for the plan printout
             (``PlanCache.walk_note``).
         probe: look for nodes freed by an earlier backward while walking (``_graph.walk``).
@@ -90,13 +91,13 @@ def build(
     roots = [n for nodes in route_roots for n in nodes]
     options = options or PlanOptions()
     key = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
-    static = static and cache is not None and cache.static_graph > 0 and graph is None
+    static = static and cache is not None and bool(cache.static_graph or cache.follow) and graph is None
     confirmed = None
     if static and cache is not None:
         followed = _followed(cache, key, roots, routes, options)
         if followed is not None:
             return followed
-        confirmed = cache.confirmed(key)
+        confirmed = cache.confirmed(key) if cache.static_graph else None
     marks = cache.marks(routes)[0] if cache is not None else param_marks(routes)
     start = time.perf_counter()
     g = walk(roots, marks, probe=probe) if graph is None else graph
@@ -107,10 +108,10 @@ def build(
     hit = cache.lookup(key, g.signature) if cache is not None else None
     if hit is not None:
         g.signature = hit.signature  # equal; the cached list, so that callers can tell the entry by identity
-        if static and cache is not None:
-            cache.confirm(hit, g, roots, routes)
         if walked is not None and cache is not None:
             cache.walked(key, hit, walked)
+        if static and cache is not None:
+            cache.confirm(hit, g, roots)
         return Program(hit.planned, g, routes, options)
     root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
     planned = analyse(
@@ -140,8 +141,19 @@ def _followed(
     found = cache.locate(entry, roots, routes)
     if found is None:
         return None
-    targets, target_routes = cache.targets(entry, routes)
+    found_targets = cache.targets(entry, routes)
+    if found_targets is None:
+        return None
+    targets, target_routes = found_targets
+    cache.located += 1
     return Program(entry.planned, found, routes, options, targets=targets, target_routes=target_routes)
+
+
+def refuse_reentrant(routes: Sequence[Route]) -> None:
+    """Walk the graph of ``routes`` (without the freed probe) and raise the walk's ValueError if it holds a
+    reentrant ``torch.utils.checkpoint`` segment: a backward that followed paths did not look (NOTE [Following
+    without a promise] in ``cache.py``)."""
+    _refuse_reentrant(walk([root_node(t) for r in routes for t in r.losses], param_marks(routes), probe=False))
 
 
 def _refuse_reentrant(g: Graph) -> None:

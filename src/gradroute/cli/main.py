@@ -115,7 +115,9 @@ def _add_bench(sub: Any) -> None:
     )
     bench.add_argument(
         "--static-graph",
-        action="store_true",
+        action="store_const",
+        const=True,
+        default=None,
         help="every gradroute strategy with a Router(static_graph=True) of its own (the graph walked on the "
         "first two backwards and every 100th only)",
     )

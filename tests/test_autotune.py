@@ -205,6 +205,32 @@ def test_choice_is_the_fastest_within_the_memory_tolerance(times: list[float], p
     assert state.chosen == chosen
 
 
+def test_choice_counts_the_walk_a_plan_pays_on_every_backward() -> None:
+    # #0 runs faster but needs the graph walked on every backward; #1 is followed instead
+    cands = [_Candidate(gradroute.PlanOptions(chunk=k + 1)) for k in range(2)]
+    state = _State([], cands, resident=0, largest=0, trials=1, tolerance=0.1)
+    state.record(0, 1.0, 100, held=0, walk=0.3)
+    state.record(1, 1.2, 100, held=0)
+    assert state.chosen == 1
+    assert "#0 PlanOptions(chunk=1): 1300.00 ms (300.00 ms of it the walk)" in (state.describe() or "")
+
+
+@pytest.mark.parametrize(("static_graph", "walk_counted"), [(None, True), (False, False), (True, False)])
+def test_walk_counted_for_plans_that_need_it_only_where_others_are_followed(static_graph, walk_counted) -> None:
+    # a split pass (#0: the text encoder's pass cut at its output) and one call per pass (#1: right on any graph)
+    tenc, unet = nn.Linear(D, D).double(), nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D)).double()
+    x = torch.randn(5, D, dtype=torch.float64)
+    autotune = gradroute.Autotune(trials=2, memory_tolerance=math.inf)
+    router = gradroute.Router(tenc=tenc, unet=unet, autotune=autotune, static_graph=static_graph)
+    while router.autotuning or not router._tuner.states:  # type: ignore[union-attr]
+        loss = unet(tenc(x)).pow(2)
+        router.backward(tenc=loss.mean(), unet=loss[:2].mean())
+    (state,) = next(iter(router._tuner.states.values()))  # type: ignore[union-attr]
+    assert [c.options.split for c in state.cands] == [True, False]
+    assert all(w > 0 for w in state.cands[0].walks) if walk_counted else not any(state.cands[0].walks)
+    assert not any(state.cands[1].walks)
+
+
 def test_measured_peaks_replace_the_estimates() -> None:
     # candidates start with estimated peaks (the lowest: #1); on CUDA the measured ones decide (#0 within 10%)
     cands = [_Candidate(gradroute.PlanOptions(chunk=k + 1), peak=p) for k, p in enumerate([900, 100, 900])]

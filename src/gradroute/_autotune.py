@@ -22,7 +22,10 @@ wasted but time. It is timed (CUDA: wall clock, the devices synchronised before 
 process's CPU time, which other processes' load does not inflate) and on CUDA its peak is measured
 (``max_memory_allocated`` after ``reset_peak_memory_stats``; the estimate elsewhere). After two rounds, candidates
 slower than 1.25x the fastest are not run again; after ``trials`` rounds the router keeps, for good, the fastest
-candidate (median time) whose peak is within ``memory_tolerance`` of the lowest. A signature seen again (the last
+candidate (median time) whose peak is within ``memory_tolerance`` of the lowest. Where the router will follow a
+plan right on any graph instead of walking (NOTE [Following without a promise] in ``_planner/cache.py``), the
+time of every other candidate includes the walk of that backward (host time, counted as if nothing overlapped
+it): it pays that walk on every backward. A signature seen again (the last
 :data:`_SIGNATURES` per call shape) reuses its choice.
 
 Under ``torch.distributed`` with several ranks, the ranks would time differently and could choose different
@@ -135,6 +138,7 @@ class _Candidate:
     measured: bool = False
     dropped: bool = False
     failed: bool = False  # its routed backward raised (out of memory, say): never run again nor chosen
+    walks: list[float] = field(default_factory=list)  # of each of ``times``: the walk its plan pays per backward
 
 
 @dataclass(eq=False)
@@ -161,9 +165,12 @@ class _State:
     def next(self) -> int:
         return self.chosen if self.chosen is not None else self.queue[0]
 
-    def record(self, k: int, seconds: float, peak: int | None, held: int) -> None:
+    def record(self, k: int, seconds: float, peak: int | None, held: int, walk: float = 0.0) -> None:
+        """Candidate ``k``'s routed backward took ``seconds``, plus ``walk`` for the graph walk its plan needs on
+        every backward (where others' plans need none)."""
         c = self.cands[k]
-        c.times.append(seconds)
+        c.times.append(seconds + walk)
+        c.walks.append(walk)
         if peak is None:
             c.peak = self.resident + max(held, self.largest)
         else:  # measured: replaces the estimate it started with
@@ -206,6 +213,8 @@ class _State:
         rows = []
         for k, c in enumerate(self.cands):
             ms = f"{statistics.median(c.times) * 1e3:.2f} ms" if c.times else "not run yet"
+            if any(c.walks):
+                ms += f" ({statistics.median(c.walks) * 1e3:.2f} ms of it the walk)"
             what = "measured" if c.measured else "estimated"
             mark = " (failed)" if c.failed else " (dropped: slow)" if c.dropped else ""
             mark = " <- chosen" if k == self.chosen else mark
@@ -255,8 +264,8 @@ class _Trial:
     process's CPU time: what the backward costs, all threads, whatever else the machine runs meanwhile.
     """
 
-    def __init__(self, state: _State, k: int, program: Program) -> None:
-        self.state, self.k, self.held = state, k, program.planned.held
+    def __init__(self, state: _State, k: int, program: Program, walk: float) -> None:
+        self.state, self.k, self.held, self.walk = state, k, program.planned.held, walk
         self.devices = sorted({t.device for r in program.routes for t in r.losses if t.is_cuda}, key=str)
         self.clock = time.perf_counter if self.devices else time.process_time
         self.start = 0.0
@@ -275,7 +284,7 @@ class _Trial:
             torch.cuda.synchronize(d)
         seconds = self.clock() - self.start
         peak = sum(torch.cuda.max_memory_allocated(d) for d in self.devices) if self.devices else None
-        self.state.record(self.k, seconds, peak, self.held)
+        self.state.record(self.k, seconds, peak, self.held, self.walk)
 
 
 class Tuner:
@@ -293,16 +302,28 @@ class Tuner:
         """Whether some graph seen is still being measured."""
         return any(s.chosen is None for states in self.states.values() for s in states)
 
-    def program(self, key: tuple, base: PlanOptions, routes: Sequence[Route], make: Callable[..., Program]) -> Program:
+    def program(
+        self,
+        key: tuple,
+        base: PlanOptions,
+        routes: Sequence[Route],
+        make: Callable[..., Program],
+        *,
+        follows: bool = False,
+    ) -> Program:
         """The program to run now for ``routes``: ``make(options)`` with the chosen or next candidate's options
         (``make(options, graph)`` plans a graph already walked).
 
         ``key`` names the call shape (``base`` is part of it); the next :meth:`trial` measures this program.
+        ``follows``: once measured, backwards of a plan right on any graph follow its paths instead of walking
+        (NOTE [Following without a promise] in ``_planner/cache.py``): the walk is counted in the times of the
+        other candidates.
         """
         states = self.states.get(key)
         state = states[0] if states else None
         options = state.cands[state.next()].options if state else base
         program = make(options)
+        walk = program.walked or 0.0
         sig = program.graph.signature
         if state is None or (sig is not state.signature and sig != state.signature):
             state = self._state(key, base, routes, program, make)
@@ -311,7 +332,11 @@ class Tuner:
                 program = make(want, program.graph)  # the same graph: not walked again
         else:
             state.signature = sig  # the cached list from now on: compared by identity
-        self._trial = _NO_TRIAL if state.chosen is not None else _Trial(state, state.next(), program)
+        if state.chosen is not None:
+            self._trial = _NO_TRIAL
+        else:
+            walks = follows and program.planned.any_graph is None
+            self._trial = _Trial(state, state.next(), program, walk if walks else 0.0)
         self._last = state
         return program
 

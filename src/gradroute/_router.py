@@ -396,10 +396,10 @@ class Router:
         options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
 
         # a static graph is followed, not walked, once nothing is being measured (NOTE [Static graphs]); without
-        # the promise, not under DDP or FSDP2 (NOTE [Following without a promise] in _planner/cache.py)
-        static = backward and not self.autotuning
-        if static and not self._cache.static_graph:
-            static = not self._sharded and not self._stepper.distributed()
+        # the promise, a graph whose plan is right on any graph, not under DDP or FSDP2 (NOTE [Following without
+        # a promise] in _planner/cache.py)
+        follows = backward and bool(self._cache.follow) and not self._sharded and not self._stepper.distributed()
+        static = backward and not self.autotuning and (bool(self._cache.static_graph) or follows)
 
         def make(options: PlanOptions, graph: Graph | None = None) -> Program:
             return build(
@@ -418,7 +418,7 @@ class Router:
             program = make(options)
         else:
             shape = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
-            program = self._tuner.program(shape, options, routes, make)
+            program = self._tuner.program(shape, options, routes, make, follows=follows)
         _check_not_freed(program)
         bad = [n for n in program.unreached if n not in self._allow_unreached]
         if bad:

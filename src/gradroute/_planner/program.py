@@ -31,6 +31,7 @@ class Program:
             the executor reads them off ``graph.leaf``.
         target_routes: per call, the route of each of ``targets``, where they are not the plan's (a static
             graph's plan that is right on any graph: NOTE [Static graphs]).
+        walked: the seconds that walking ``graph`` took in this ``build``; None where it was not walked here.
     """
 
     planned: Planned
@@ -39,6 +40,7 @@ class Program:
     options: PlanOptions = field(default_factory=PlanOptions)
     targets: tuple[tuple[torch.Tensor, ...], ...] | None = None
     target_routes: tuple[tuple[int, ...], ...] | None = None
+    walked: float | None = None
 
     @property
     def plan(self) -> Plan:
@@ -101,7 +103,8 @@ def build(
     marks = cache.marks(routes)[0] if cache is not None else param_marks(routes)
     start = time.perf_counter()
     g = walk(roots, marks, probe=probe) if graph is None else graph
-    walked = time.perf_counter() - start if backward and graph is None else None
+    seconds = time.perf_counter() - start if graph is None else None
+    walked = seconds if backward else None
     _refuse_reentrant(g)
     if confirmed is not None and not (confirmed.signature is g.signature or confirmed.signature == g.signature):
         raise RuntimeError(_changed(routes))
@@ -112,7 +115,7 @@ def build(
             cache.walked(key, hit, walked)
         if static and cache is not None:
             cache.confirm(hit, g, roots)
-        return Program(hit.planned, g, routes, options)
+        return Program(hit.planned, g, routes, options, walked=seconds)
     root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
     planned = analyse(
         g,
@@ -127,7 +130,7 @@ def build(
         entry = cache.store(key, g.signature, planned)
         if walked is not None:
             cache.walked(key, entry, walked)
-    return Program(planned, g, routes, options)
+    return Program(planned, g, routes, options, walked=seconds)
 
 
 def _followed(

@@ -76,12 +76,13 @@ class Router:
             follows the paths to the few nodes its plan starts from, checking each node's class on the way.
             ``True`` walks and checks the whole graph again on every 100th backward, an int ``n`` on every
             ``n``-th; a graph found changed raises RuntimeError before any ``.grad`` is touched. A change off
-            those paths between two checks goes unseen, and routes wrong gradients unless the plan makes one
-            engine call per loss that captures nothing (those calls then backpropagate into all of their
-            group's parameters). ``None`` (the default) makes no promise: the graph is walked on every
-            backward, except where 8 walks in a row found the same graph and its plan is one of those (exact
-            on any graph): backwards then follow the paths and walk on every 32nd, and a changed graph is
-            planned anew, not refused. ``False`` walks on every backward. See the README's "Static graphs".
+            those paths between two checks goes unseen, and routes wrong gradients unless the plan is exact on
+            any graph: one engine call per group that captures nothing, every call but the last retaining
+            (those calls then backpropagate into all of their group's parameters). ``None`` (the default)
+            makes no promise: the graph is walked on every backward, except where 8 walks in a row found the
+            same graph and its plan is exact on any graph; backwards then follow the paths and walk once
+            every 32, and a changed graph is planned anew, not refused. ``False`` walks on every backward.
+            See the README's "Static graphs".
         **named_groups: groups by keyword.
 
     Example:

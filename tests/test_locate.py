@@ -257,14 +257,15 @@ def _one_call_per_route(**kw):
     return tenc, unet, extra, groups, gradroute.Router(groups, autotune=False, **kw)
 
 
-def _routed_exactly(router, forward, groups, steps: int) -> None:
-    """``steps`` routed backwards of ``forward``, each from empty gradients, each against the reference."""
+def _routed_exactly(router, forward, groups, steps: int, method: str = "backward") -> None:
+    """``steps`` routed backwards of ``forward`` (``router.backward`` or ``router.grads``), each from empty
+    gradients, each against the reference."""
     expected = reference_grads(forward, groups)
     params = [p for ps in groups.values() for p in ps]
     for _ in range(steps):
         for p in params:
             p.grad = None
-        router.backward(**forward())
+        route_into_grad(router, method, forward(), params)
         assert_grads_match(params, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -293,13 +294,14 @@ def test_default_walks_every_backward_where_the_plan_depends_on_the_graph_or_sta
     assert router._cache.located == 0
 
 
+@pytest.mark.parametrize("method", ["backward", "grads"])
 @pytest.mark.parametrize("change", ["branch", "widen", "gradroute"])
-def test_default_following_stays_exact_when_the_graph_changes_and_plans_the_new_graph(change):
+def test_default_following_stays_exact_when_the_graph_changes_and_plans_the_new_graph(change, method):
     tenc, unet, extra, groups, router = _one_call_per_route()
-    _routed_exactly(router, _chain(tenc, unet, extra), groups, steps=10)
+    _routed_exactly(router, _chain(tenc, unet, extra), groups, steps=10, method=method)
     located = router._cache.located
     # followed until the periodic walk (no error: nothing was promised), exact all the same
-    _routed_exactly(router, _chain(tenc, unet, extra, change), groups, steps=40)
+    _routed_exactly(router, _chain(tenc, unet, extra, change), groups, steps=40, method=method)
     assert router._cache.located > located
     assert len(router._cache) == 2  # the new graph has its own analysis
 

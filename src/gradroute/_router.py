@@ -389,7 +389,7 @@ class Router:
     def _program(
         self, routes: list[Route], *, merge_shared: bool, backward: bool = False, probe: bool = True
     ) -> Program:
-        """The program for ``routes``; ``backward``: for a routed backward (may follow a static graph), not a
+        """The program for ``routes``; ``backward``: for a routed backward (may follow paths), not a
         :meth:`plan`; ``probe``: look for freed nodes while walking."""
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
         # them: keep each pass through it in one call
@@ -400,7 +400,7 @@ class Router:
         # the promise, a graph whose plan is right on any graph, not under DDP or FSDP2 (NOTE [Following without
         # a promise] in _planner/cache.py)
         follows = backward and bool(self._cache.follow) and not self._sharded and not self._stepper.distributed()
-        static = backward and not self.autotuning and (bool(self._cache.static_graph) or follows)
+        follow = backward and not self.autotuning and (bool(self._cache.static_graph) or follows)
 
         def make(options: PlanOptions, graph: Graph | None = None) -> Program:
             return build(
@@ -410,7 +410,7 @@ class Router:
                 cache=self._cache,
                 checkpoints=_CHECKPOINTS,
                 graph=graph,
-                static=static,
+                follow=follow,
                 backward=backward,
                 probe=probe,
             )

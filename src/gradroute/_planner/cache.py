@@ -196,11 +196,11 @@ class PlanCache:
             leaf = {j: by_mark[m - 1] for j, m in entry.leaves}
             per_call = tuple(tuple(leaf[j] for j in c.wiring.targets) for c in entry.planned.plan.calls)
             entry.leaf = (by_mark, leaf, per_call)
-        if entry.paths is None:  # not confirmed (static() returns confirmed entries only)
+        if entry.paths is None:  # not confirmed (to_follow() returns entries with paths only)
             return None
         return located(entry.paths, roots, entry.signature, entry.leaf[1])
 
-    def static(self, key: tuple) -> _Entry | None:
+    def to_follow(self, key: tuple) -> _Entry | None:
         """The entry whose paths a backward of call shape ``key`` follows now; None when this backward walks the
         graph (no graph confirmed yet, or the periodic walk is due). With ``static_graph``: the confirmed graph;
         else (``follow``): the graph the last walks found, if backwards may follow it."""

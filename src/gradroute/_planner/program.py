@@ -1,5 +1,5 @@
-"""The planner's entry: walk the losses' graph (or follow a static one's paths), reuse or make the analysis, and
-hand the executor a program."""
+"""The planner's entry: walk the losses' graph (or follow the paths of one walked before), reuse or make the
+analysis, and hand the executor a program."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def build(
     cache: PlanCache | None = None,
     checkpoints: Checkpoints = NO_CHECKPOINTS,
     graph: Graph | None = None,
-    static: bool = False,
+    follow: bool = False,
     backward: bool = False,
     probe: bool = True,
 ) -> Program:
@@ -78,7 +78,7 @@ def build(
         checkpoints: the live ``gradroute.checkpoint`` segments and their sizes.
         graph: the graph of these same ``routes`` from an earlier ``build`` (planned again with other
             ``options``: the measured choice), so that it is not walked again.
-        static: this backward may follow the paths of a graph walked before instead of walking (needs a
+        follow: this backward may follow the paths of a graph walked before instead of walking (needs a
             ``cache`` made with ``static_graph``, NOTE [Static graphs] in ``cache.py``, or with ``follow``, NOTE
             [Following without a promise] there).
         backward: this is a routed backward (not ``Router.plan``): its walk is timed for the plan printout
@@ -87,15 +87,16 @@ def build(
 
     Raises:
         ValueError: the graph holds a reentrant ``torch.utils.checkpoint`` segment.
-        RuntimeError: with ``static``, the graph differs from the one confirmed for this call shape.
+        RuntimeError: with ``follow`` and ``static_graph``, the graph differs from the one confirmed for this call
+            shape.
     """
     route_roots = [[root_node(t) for t in r.losses] for r in routes]
     roots = [n for nodes in route_roots for n in nodes]
     options = options or PlanOptions()
     key = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
-    static = static and cache is not None and bool(cache.static_graph or cache.follow) and graph is None
+    follow = follow and cache is not None and bool(cache.static_graph or cache.follow) and graph is None
     confirmed = None
-    if static and cache is not None:
+    if follow and cache is not None:
         followed = _followed(cache, key, roots, routes, options)
         if followed is not None:
             return followed
@@ -113,7 +114,7 @@ def build(
         g.signature = hit.signature  # equal; the cached list, so that callers can tell the entry by identity
         if walked is not None and cache is not None:
             cache.walked(key, hit, walked)
-        if static and cache is not None:
+        if follow and cache is not None:
             cache.confirm(hit, g, roots)
         return Program(hit.planned, g, routes, options, walked=seconds)
     root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
@@ -136,9 +137,9 @@ def build(
 def _followed(
     cache: PlanCache, key: tuple, roots: Sequence[Node], routes: Sequence[Route], options: PlanOptions
 ) -> Program | None:
-    """The program of a static graph's backward that follows the confirmed paths (NOTE [Static graphs] in
+    """The program of a backward that follows the recorded paths (NOTE [Static graphs] in
     ``cache.py``), or None where this backward walks: the periodic check, or a node on the paths changed."""
-    entry = cache.static(key)
+    entry = cache.to_follow(key)
     if entry is None:
         return None
     found = cache.locate(entry, roots, routes)

@@ -21,7 +21,7 @@ DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").g
 
 #: python blocks executed, per file (in order, one namespace per file)
 BLOCKS_RUN = {
-    "README.md": 5,
+    "README.md": 6,
     "docs/checkpointing.md": 1,
     "docs/distributed.md": 0,
     "docs/integrations.md": 0,  # excerpts of scripts that tests/integration runs (and checks them against)
@@ -82,8 +82,10 @@ def test_markdown_python_blocks_run_in_order(doc, capsys):
     assert executed == BLOCKS_RUN[doc]
     if doc == "README.md":  # the README's blocks form one program that ends with a training step
         assert namespace["stats"] is not None
-        # "Static graphs": the changed graph is refused, as the example says
-        assert "`static_graph` was set, but the autogr\n" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        # "Static graphs": backwards follow the graph by default, and a changed static graph is refused
+        assert "walk: the last 8 walks found this graph, and its plan is exact on any graph\n" in out
+        assert "`static_graph` was set, but the autogr\n" in out
     if doc == "docs/training_step.md":  # a whole training loop, resumable: it ends where its prose says
         stats = namespace["stats"]
         assert stats.step == namespace["total_steps"] and not stats.accumulating

@@ -336,6 +336,42 @@ def test_default_following_a_graph_that_gained_a_reentrant_checkpoint_fails_nami
     assert router._cache.located == located + 1  # the next backward walked
 
 
+class _HookFailed(Exception):
+    pass
+
+
+def test_default_followed_backward_that_fails_half_way_leaves_empty_gradients_empty_and_the_next_walks():
+    tenc, unet, extra, groups, router = _one_call_per_route()
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+    calls = []
+
+    def forward(fail: bool = False) -> dict[str, torch.Tensor]:
+        mid = unet[0](tenc(x))
+        if fail:  # both engine calls pass here: the second raises, after the first wrote its gradients
+
+            def hook(grad: torch.Tensor) -> torch.Tensor:
+                calls.append(1)
+                if len(calls) == 2:
+                    raise _HookFailed
+                return grad
+
+            mid.register_hook(hook)
+        loss = unet[2](unet[1](mid)).pow(2)
+        return {"tenc": loss.mean(), "unet": loss[:3].mean()}
+
+    _routed_exactly(router, forward, groups, steps=10)
+    located = router._cache.located
+    for p in _params(tenc, extra, unet):
+        p.grad = None
+    with pytest.raises(_HookFailed):
+        router.backward(**forward(fail=True))
+    assert len(calls) == 2
+    assert router._cache.located == located + 1  # it was followed
+    assert all(p.grad is None for p in _params(tenc, extra, unet))
+    _routed_exactly(router, forward, groups, steps=1)
+    assert router._cache.located == located + 1  # the next one walked
+
+
 @pytest.mark.parametrize("static_graph", [None, True])
 def test_followed_backward_of_losses_backpropagated_twice_fails_before_adding_to_any_gradient(static_graph):
     # `a`'s graph keeps no tensors, and its engine call runs first: without a probe past the losses (whose nodes

@@ -306,18 +306,37 @@ def test_default_following_stays_exact_when_the_graph_changes_and_plans_the_new_
     assert len(router._cache) == 2  # the new graph has its own analysis
 
 
-def test_default_following_a_loss_that_stopped_reaching_its_group_gives_it_nothing_until_the_walk_refuses_it():
+@pytest.mark.parametrize("method", ["backward", "grads"])
+def test_default_following_a_loss_that_stopped_reaching_its_group_fails_with_every_gradient_empty(method):
     tenc, unet, extra, groups, router = _one_call_per_route()
-    _routed_exactly(router, _chain(tenc, unet, extra), groups, steps=10)
-    forward = _chain(tenc, unet, extra, "detached")
-    expected = reference_grads(forward, {"unet": groups["unet"]}, names=["unet"])
+    _routed_exactly(router, _chain(tenc, unet, extra), groups, steps=10, method=method)
+    located = router._cache.located
+    for p in _params(tenc, extra, unet):
+        p.grad = None
+    with pytest.raises(ValueError, match=r"loss for group `tenc` reaches none of that group's 6 parameters"):
+        route_into_grad(router, method, _chain(tenc, unet, extra, "detached")(), _params(tenc, extra, unet))
+    assert router._cache.located == located + 1  # followed: refused after the engine calls, as the walk would
+    assert all(p.grad is None for p in _params(tenc, extra, unet))
+
+
+def test_default_following_a_loss_that_stopped_reaching_its_group_while_accumulating_is_refused_at_the_walk():
+    # gradients to add to: the backward cannot tell what it added, so the next walk refuses the loss
+    tenc, unet, extra, groups, router = _one_call_per_route()
+    forward = _chain(tenc, unet, extra)
+    for _ in range(10):
+        router.backward(**forward())
+    detached = _chain(tenc, unet, extra, "detached")
+    expected = reference_grads(detached, {"unet": groups["unet"]}, names=["unet"])
     with pytest.raises(ValueError, match=r"loss for group `tenc` reaches none of that group's 6 parameters"):
         for _ in range(32):
-            for p in _params(tenc, extra, unet):
-                p.grad = None
-            router.backward(**forward())
-            assert all(p.grad is None for p in groups["tenc"])
-            assert_grads_match(groups["unet"], expected, rtol=1e-10, atol=1e-12)
+            before = {id(p): p.grad.clone() for p in _params(tenc, extra, unet) if p.grad is not None}
+            router.backward(**detached())
+            for p in groups["tenc"]:  # nothing added
+                assert (p.grad is None) == (id(p) not in before)
+                if p.grad is not None:
+                    torch.testing.assert_close(p.grad, before[id(p)], rtol=0, atol=0)
+            for p in groups["unet"]:
+                torch.testing.assert_close(p.grad, before[id(p)] + expected[id(p)], rtol=1e-10, atol=1e-12)
 
 
 def test_default_following_a_graph_that_gained_a_reentrant_checkpoint_fails_naming_it():

@@ -344,7 +344,10 @@ class Router:
                         self._cache.recheck()
                         self._refuse_reentrant(routes, e)
                     raise
+            located = program.graph.located
             del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
+        if located and (undo or not accumulate):
+            self._refuse_unreached(routes, out, accumulate=accumulate)
         return out
 
     def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
@@ -423,12 +426,31 @@ class Router:
         _check_not_freed(program)
         bad = [n for n in program.unreached if n not in self._allow_unreached]
         if bad:
-            raise ValueError(
-                f"loss for group `{bad[0]}` reaches none of that group's {len(self._groups[bad[0]].params)} "
-                "parameters (a stray .detach() or torch.no_grad()?); pass "
-                f"Router(..., allow_unreached=[{bad[0]!r}]) if that is intended"
-            )
+            raise ValueError(self._unreached_message(bad[0]))
         return program
+
+    def _unreached_message(self, name: str) -> str:
+        return (
+            f"loss for group `{name}` reaches none of that group's {len(self._groups[name].params)} "
+            "parameters (a stray .detach() or torch.no_grad()?); pass "
+            f"Router(..., allow_unreached=[{name!r}]) if that is intended"
+        )
+
+    def _refuse_unreached(self, routes: list[Route], out: list[dict[int, torch.Tensor]], *, accumulate: bool) -> None:
+        """After a backward that followed paths (no walk looked): raise as the walk would for a route none of whose
+        parameters got a gradient, with every routed ``.grad`` None again (``accumulate``: they all were before,
+        ``undoable``; else ``out`` holds each route's gradients)."""
+        for k, r in enumerate(routes):
+            if r.name in self._allow_unreached:
+                continue
+            if any(p.grad is not None for p in r.params) if accumulate else out[k]:
+                continue
+            if accumulate:
+                for route in routes:
+                    for p in route.params:
+                        p.grad = None
+            self._cache.recheck()
+            raise ValueError(self._unreached_message(r.name))
 
     @staticmethod
     def _refuse_reentrant(routes: list[Route], error: Exception) -> None:

@@ -250,9 +250,11 @@ _WALK_NEXT = 1 << 30  # ``since_walk`` that makes the next backward walk
 # backwards in between were exact whatever changed: the engine finds what each call reaches. What waits for
 # the next walk: refusing a reentrant ``torch.utils.checkpoint`` segment that appeared since (the engine
 # refuses it; a followed backward that raises makes the next one walk, and the router walks at once to name
-# the cause), the error for a loss that stopped reaching its group (its group then gets no gradient from
-# it), and a better plan for the new graph. A group frozen since makes the backward walk. Off under DDP and
-# FSDP2 (the router's ``_follow``), whose hooks expect the plan's parameters.
+# the cause), and a better plan for the new graph. A loss that stopped reaching its group is refused after the
+# backward where every routed ``.grad`` was None before it (the router sees that its group got none, and sets
+# them all back: ``Router._refuse_unreached``); with gradients to add to, at the next walk (the group gets no
+# gradient from it meanwhile). A group frozen since makes the backward walk. Off under DDP and FSDP2 (the
+# router's ``follows``), whose hooks expect the plan's parameters.
 
 
 _requires_grad = operator.attrgetter("requires_grad")

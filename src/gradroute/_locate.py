@@ -1,6 +1,7 @@
 """Finding the few nodes a cached plan starts from in a new graph of the same structure, without walking it all.
 
-Only ``Router(static_graph=True)`` uses this; see NOTE [Static graphs] in ``_planner/cache.py``.
+The plan cache uses this for ``Router(static_graph=True)`` and, by default, for graphs whose plan is exact on any
+graph; see NOTE [Static graphs] and NOTE [Following without a promise] in ``_planner/cache.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The plan cache: analyses by call shape and signature, and for static graphs the paths to the nodes a plan needs."""
+"""The plan cache: analyses by call shape and signature, and for graphs that backwards follow the paths to the nodes
+a plan needs."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from .build import Planned
 
 @dataclass(eq=False)
 class _Entry:
-    """One cached analysis: the signature it was made for, when it was last used, and (static graphs) the
-    paths to the nodes its plan needs and the backwards located since the graph was last walked."""
+    """One cached analysis: the signature it was made for, when it was last used, and (graphs that backwards
+    follow) the paths to the nodes its plan needs and the backwards located since the graph was last walked."""
 
     signature: list
     planned: Planned

@@ -225,6 +225,7 @@ def test_walk_counted_for_plans_that_need_it_only_where_others_are_followed(stat
     while router.autotuning or not router._tuner.states:  # type: ignore[union-attr]
         loss = unet(tenc(x)).pow(2)
         router.backward(tenc=loss.mean(), unet=loss[:2].mean())
+        router.zero_grad()  # no gradients to add to: backwards may follow
     (state,) = next(iter(router._tuner.states.values()))  # type: ignore[union-attr]
     assert [c.options.split for c in state.cands] == [True, False]
     assert all(w > 0 for w in state.cands[0].walks) if walk_counted else not any(state.cands[0].walks)

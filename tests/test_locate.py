@@ -171,8 +171,9 @@ def test_static_graph_loss_backpropagated_twice_fails_before_any_gradient_is_wri
 
 
 def test_static_graph_graph_freed_away_from_the_losses_leaves_empty_gradients_empty():
-    # a located backward probes only near the losses: the engine meets the freed text encoder in the last call,
-    # after the unet's call wrote its gradients; they were None before, so they are None again
+    # a located backward probes only a few nodes, those the plan's last engine call runs (here the resumed pass
+    # into the text encoder, which finds it freed before any call); else the engine meets a freed node, possibly
+    # after other calls wrote gradients, which were None before and are None again
     tenc, unet = _nets()
     router = gradroute.Router(tenc=tenc, unet=unet, static_graph=True, autotune=False)
     for _ in range(3):
@@ -182,7 +183,7 @@ def test_static_graph_graph_freed_away_from_the_losses_leaves_empty_gradients_em
     located = router._cache.located
     for p in _params(tenc, unet):
         p.grad = None
-    with pytest.raises(gradroute.GraphFreedError, match=r"loss for group `tenc`: .* already freed"):
+    with pytest.raises(gradroute.GraphFreedError, match=r"`tenc`.* already freed"):
         router.backward(**_forward(tenc, unet, free_tenc=True)())
     assert router._cache.located == located + 1
     assert all(p.grad is None for p in _params(tenc, unet))
@@ -319,24 +320,109 @@ def test_default_following_a_loss_that_stopped_reaching_its_group_fails_with_eve
     assert all(p.grad is None for p in _params(tenc, extra, unet))
 
 
-def test_default_following_a_loss_that_stopped_reaching_its_group_while_accumulating_is_refused_at_the_walk():
-    # gradients to add to: the backward cannot tell what it added, so the next walk refuses the loss
-    tenc, unet, extra, groups, router = _one_call_per_route()
-    forward = _chain(tenc, unet, extra)
-    for _ in range(10):
-        router.backward(**forward())
-    detached = _chain(tenc, unet, extra, "detached")
-    expected = reference_grads(detached, {"unet": groups["unet"]}, names=["unet"])
+class _DropsSecond(torch.autograd.Function):
+    """``a * b`` whose backward returns None for ``b``: valid autograd; ``b`` is connected but gets nothing."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+@pytest.mark.parametrize("method", ["backward", "grads"])
+def test_default_following_a_group_connected_only_through_a_dropped_gradient_is_not_refused(method):
+    # the walk finds `tenc`'s loss connected to its parameters and routes (they get no gradient): so does a
+    # followed backward, which sees no gradient arrive and walks to tell an unreached group from this
+    tenc, unet, _extra, groups, router = _one_call_per_route()
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+
+    def forward() -> dict[str, torch.Tensor]:
+        loss = unet(tenc(x)).pow(2).mean()
+        return {"tenc": _DropsSecond.apply(unet[2].bias.sum(), loss), "unet": loss * 1.0}
+
+    _routed_exactly(router, forward, groups, steps=12, method=method)
+    assert router._cache.located > 0
+    assert all(p.grad is None for p in groups["tenc"])
+
+
+def test_default_following_a_loss_that_stopped_reaching_its_own_parameters_is_refused_when_groups_share_one():
+    # `shared` is in both groups: the unet's call writes its gradient, which says nothing about the tenc loss
+    tenc, unet = _nets()
+    shared = nn.Linear(6, 6).to(D)
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+    groups = {"tenc": [*tenc.parameters(), *shared.parameters()], "unet": [*unet.parameters(), *shared.parameters()]}
+    router = gradroute.Router(groups, autotune=False, plan_options=gradroute.PlanOptions(split=False))
+
+    def forward(changed: bool = False):
+        def run() -> dict[str, torch.Tensor]:
+            b = shared(tenc(x))
+            out = unet(b)
+            side = unet(b.detach()) if changed else out
+            return {"tenc": side.pow(2).mean(), "unet": out[:3].pow(2).mean()}
+
+        return run
+
+    _routed_exactly(router, forward(), groups, steps=10)
+    located = router._cache.located
+    assert located > 0
+    params = _params(tenc, shared, unet)
+    for p in params:
+        p.grad = None
     with pytest.raises(ValueError, match=r"loss for group `tenc` reaches none of that group's 6 parameters"):
-        for _ in range(32):
-            before = {id(p): p.grad.clone() for p in _params(tenc, extra, unet) if p.grad is not None}
-            router.backward(**detached())
-            for p in groups["tenc"]:  # nothing added
-                assert (p.grad is None) == (id(p) not in before)
-                if p.grad is not None:
-                    torch.testing.assert_close(p.grad, before[id(p)], rtol=0, atol=0)
-            for p in groups["unet"]:
-                torch.testing.assert_close(p.grad, before[id(p)] + expected[id(p)], rtol=1e-10, atol=1e-12)
+        router.backward(**forward(changed=True)())
+    assert router._cache.located == located + 1
+    assert all(p.grad is None for p in params)
+
+
+def test_default_an_entry_dropped_from_the_plan_cache_is_not_followed():
+    tenc, unet, _extra, _groups, router = _one_call_per_route()
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+
+    def losses(n_unet: int = 1) -> dict:
+        loss = unet(tenc(x)).pow(2)
+        return {"tenc": loss.mean(), "unet": [loss[: k + 1].mean() for k in range(n_unet)]}
+
+    for _ in range(10):
+        router.backward(**losses())
+        router.zero_grad()
+    assert router._cache.located > 0
+    for n in range(2, 10):  # eight other call shapes fill the cache (8 entries): the first is dropped
+        router.backward(**losses(n))
+        router.zero_grad()
+    located = router._cache.located
+    router.backward(**losses())
+    assert router._cache.located == located  # walked and planned anew
+
+
+def test_default_plan_printout_under_ddp_does_not_say_backwards_follow(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tenc, unet, extra, groups, router = _one_call_per_route()
+        forward = _chain(DDP(tenc), DDP(unet), extra)
+        _routed_exactly(router, forward, groups, steps=10)
+        notes = [n for n in router.plan(**forward()).notes if n.startswith("walk:")]
+        assert len(notes) == 1 and "Router(static_graph=True)" in notes[0] and "follow the paths" not in notes[0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_default_with_gradients_to_add_to_walks_and_refuses_a_loss_that_stopped_reaching_its_group_at_once():
+    # the default follows only where every .grad is empty: an accumulation window's later backwards walk and probe
+    tenc, unet, extra, _groups, router = _one_call_per_route()
+    for _ in range(10):
+        router.backward(**_chain(tenc, unet, extra)())
+    assert router._cache.located == 0
+    before = [p.grad.clone() for p in _params(tenc, unet)]
+    with pytest.raises(ValueError, match=r"loss for group `tenc` reaches none of that group's 6 parameters"):
+        router.backward(**_chain(tenc, unet, extra, "detached")())
+    for p, b in zip(_params(tenc, unet), before):
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
 
 
 def test_default_following_a_graph_that_gained_a_reentrant_checkpoint_fails_naming_it():
@@ -394,7 +480,8 @@ def test_default_followed_backward_that_fails_half_way_leaves_empty_gradients_em
 @pytest.mark.parametrize("static_graph", [None, True])
 def test_followed_backward_of_losses_backpropagated_twice_fails_before_adding_to_any_gradient(static_graph):
     # `a`'s graph keeps no tensors, and its engine call runs first: without a probe past the losses (whose nodes
-    # keep none either), it would add to `a.grad` before `b`'s call met the freed graph
+    # keep none either), it would add to `a.grad` before `b`'s call met the freed graph. With gradients to add
+    # to, only `static_graph` follows; the default walks and probes the whole graph
     a = nn.Parameter(torch.linspace(-1, 1, 6, dtype=D))
     b = nn.Parameter(torch.linspace(0, 2, 6, dtype=D))
     router = gradroute.Router(
@@ -410,12 +497,40 @@ def test_followed_backward_of_losses_backpropagated_twice_fails_before_adding_to
         router.backward(**forward())
     losses = forward()
     router.backward(**losses)
-    assert router._cache.located > 0
+    assert (router._cache.located > 0) == bool(static_graph)
     before = [a.grad.clone(), b.grad.clone()]
     with pytest.raises(gradroute.GraphFreedError, match=r"already freed"):
         router.backward(**losses)
     for p, g in zip([a, b], before):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_static_graph_losses_backpropagated_twice_where_the_first_call_retains_fail_before_adding_to_any_gradient():
+    # the nodes nearest the losses that keep tensors include `reg`'s square, run only by the text encoder's call,
+    # which retains: the first routed backward leaves it alive. The freed check probes the last call's nodes.
+    tenc, unet = _nets()
+    reg = nn.Parameter(torch.linspace(-1, 1, 6, dtype=D))
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+    groups = {"tenc": [*tenc.parameters(), reg], "unet": list(unet.parameters())}
+    options = gradroute.PlanOptions(split=False)
+    router = gradroute.Router(groups, autotune=False, static_graph=True, plan_options=options)
+
+    def forward() -> dict[str, torch.Tensor]:
+        out = unet(tenc(x))
+        extra = reg.pow(2).sum()  # made last: the engine runs it first
+        return {"tenc": out.pow(2).mean() + extra, "unet": out[:3].mean()}
+
+    for _ in range(3):
+        router.backward(**forward())
+    losses = forward()
+    router.backward(**losses)
+    assert router._cache.located > 0
+    params = [*_params(tenc, unet), reg]
+    before = [p.grad.clone() for p in params]
+    with pytest.raises(gradroute.GraphFreedError, match=r"already freed"):
+        router.backward(**losses)
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
 
 
 def test_default_follows_nothing_under_ddp(tmp_path):

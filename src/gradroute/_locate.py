@@ -6,6 +6,7 @@ graph; see NOTE [Static graphs] and NOTE [Following without a promise] in ``_pla
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,9 +28,9 @@ class Paths:
         roots: per root (in the order given to the walk), its node id and class.
         steps: ``(node id, parent id, position in the parent's next_functions, class)``, parents first: each
             node is the first through which the walk found it, so the paths are the shortest.
-        saved: the ids of the first few nodes of the graph (closest to the roots, breadth first) that keep
-            tensors, on the paths: the freed check looks at these only, up to the first that holds a defined
-            one (a second backward of the same losses freed them all).
+        saved: the ids of a few nodes that keep tensors and that the last engine call of the plan runs
+            (:func:`freed_probe`), on the paths: the freed check looks at these only, up to the first that holds
+            a defined one (a second backward of the same losses freed them all).
         size: the number of nodes of the graph.
     """
 
@@ -39,11 +40,37 @@ class Paths:
     size: int
 
 
-def paths(g: Graph, roots: Sequence[Node], wanted: Iterable[int]) -> Paths:
-    """The paths from ``roots`` (the nodes ``g`` was walked from) to the nodes ``wanted`` of ``g``, and to the first
-    few nodes of ``g`` that keep tensors (the freed check's)."""
+def freed_probe(g: Graph, starts: Sequence[int], ends: Iterable[int]) -> tuple[int, ...]:
+    """The nodes for the freed check of graphs like ``g`` whose last engine call runs from the nodes ``starts`` into
+    ``ends``: the first few that keep tensors on a shortest path between them (the call runs every node on such a
+    path and, not retaining, frees it: a second backward of the same losses finds it freed, where nodes run only by
+    earlier, retaining calls still hold theirs). Else the first few of ``g`` that keep tensors (breadth first)."""
+    targets = set(ends)
+    parent = dict.fromkeys(starts, -1)
+    frontier = collections.deque(starts)
+    while frontier:
+        i = frontier.popleft()
+        if i in targets:
+            chain = []
+            while i != -1:
+                chain.append(i)
+                i = parent[i]
+            found = tuple(itertools.islice((j for j in reversed(chain) if saved_attrs(g.nodes[j])), _PROBE))
+            if found:
+                return found
+            break
+        for j, _ in g.succ[i]:
+            if j not in parent:
+                parent[j] = i
+                frontier.append(j)
+    return tuple(itertools.islice((j for j, n in enumerate(g.nodes) if saved_attrs(n)), _PROBE))
+
+
+def paths(g: Graph, roots: Sequence[Node], wanted: Iterable[int], probe: Sequence[int] = ()) -> Paths:
+    """The paths from ``roots`` (the nodes ``g`` was walked from) to the nodes ``wanted`` of ``g``, and to the nodes
+    ``probe`` that the freed check looks at (:func:`freed_probe`)."""
     root_ids = {g.index[r] for r in roots}
-    keeping = tuple(itertools.islice((j for j, n in enumerate(g.nodes) if saved_attrs(n)), _PROBE))
+    keeping = tuple(probe)
     parent: dict[int, int] = {}
     for i, out in enumerate(g.succ):  # ids are in breadth-first order: the first parent seen is the walk's
         for j, _ in out:

@@ -80,8 +80,9 @@ class Router:
             any graph: one engine call per group that captures nothing, every call but the last retaining
             (those calls then backpropagate into all of their group's parameters). ``None`` (the default)
             makes no promise: the graph is walked on every backward, except where 8 walks in a row found the
-            same graph and its plan is exact on any graph; backwards then follow the paths and walk once
-            every 32, and a changed graph is planned anew, not refused. ``False`` walks on every backward.
+            same graph and its plan is exact on any graph; backwards from empty gradients then follow the
+            paths and walk once every 32, and a changed graph is planned anew, not refused. Not under DDP or
+            FSDP2. ``False`` walks on every backward.
             See the README's "Static graphs".
         **named_groups: groups by keyword.
 
@@ -155,6 +156,8 @@ class Router:
         )
         for name, group in self._groups.items():
             group.name = name
+        # per group, its parameters no other group holds (``_refuse_unreached``)
+        self._own = {name: _own_params(g, self._groups.values()) for name, g in self._groups.items()}
         # the groups whose parameters FSDP2 may have sharded: only theirs are looked up on every backward
         self._sharded = {name for name, group in self._groups.items() if has_dtensor(group.params)}
 
@@ -346,7 +349,7 @@ class Router:
                     raise
             located = program.graph.located
             del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
-        if located and (undo or not accumulate):
+        if located and self._cache.follow:
             self._refuse_unreached(routes, out, accumulate=accumulate)
         return out
 
@@ -400,9 +403,9 @@ class Router:
         options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
 
         # a static graph is followed, not walked, once nothing is being measured (NOTE [Static graphs]); without
-        # the promise, a graph whose plan is right on any graph, not under DDP or FSDP2 (NOTE [Following without
-        # a promise] in _planner/cache.py)
-        follows = backward and bool(self._cache.follow) and not self._sharded and not self._stepper.distributed()
+        # the promise, a graph whose plan is right on any graph, not under DDP or FSDP2, and not where the walk
+        # must probe (gradients to add to: NOTE [Following without a promise] in _planner/cache.py)
+        follows = self._follows(backward=backward, probe=probe)
         follow = backward and not self.autotuning and (bool(self._cache.static_graph) or follows)
 
         def make(options: PlanOptions, graph: Graph | None = None) -> Program:
@@ -429,6 +432,16 @@ class Router:
             raise ValueError(self._unreached_message(bad[0]))
         return program
 
+    def _follows(self, *, backward: bool, probe: bool) -> bool:
+        """Whether, without ``static_graph``, a backward may follow a graph whose plan is right on any graph."""
+        return (
+            backward
+            and not probe
+            and bool(self._cache.follow)
+            and not self._sharded
+            and not self._stepper.distributed()
+        )
+
     def _unreached_message(self, name: str) -> str:
         return (
             f"loss for group `{name}` reaches none of that group's {len(self._groups[name].params)} "
@@ -437,20 +450,39 @@ class Router:
         )
 
     def _refuse_unreached(self, routes: list[Route], out: list[dict[int, torch.Tensor]], *, accumulate: bool) -> None:
-        """After a backward that followed paths (no walk looked): raise as the walk would for a route none of whose
-        parameters got a gradient, with every routed ``.grad`` None again (``accumulate``: they all were before,
-        ``undoable``; else ``out`` holds each route's gradients)."""
+        """After a backward that followed paths without ``static_graph`` (no walk looked): raise as the walk would
+        for a route whose losses reach none of its group's parameters, with every routed ``.grad`` None again
+        (``accumulate``: all were before it, see ``_follows``; else ``out`` holds each route's gradients). Only
+        where no parameter of the group's own got a gradient is the graph walked to tell (a custom
+        ``autograd.Function`` may return None for an input it is connected to)."""
+        maybe = []
         for k, r in enumerate(routes):
             if r.name in self._allow_unreached:
                 continue
-            if any(p.grad is not None for p in r.params) if accumulate else out[k]:
+            if any(p.grad is not None for p in self._own[r.name]) if accumulate else out[k]:
                 continue
+            if accumulate and not self._own[r.name]:  # every parameter shared: other groups' calls write them
+                continue
+            maybe.append(r.name)
+        if not maybe:
+            return
+        walked = build(
+            routes,
+            merge_shared=accumulate,
+            options=self._options,
+            cache=self._cache,
+            checkpoints=_CHECKPOINTS,
+            probe=False,
+        )
+        bad = [n for n in walked.unreached if n in maybe]
+        del walked
+        if bad:
             if accumulate:
                 for route in routes:
                     for p in route.params:
                         p.grad = None
             self._cache.recheck()
-            raise ValueError(self._unreached_message(r.name))
+            raise ValueError(self._unreached_message(bad[0]))
 
     @staticmethod
     def _refuse_reentrant(routes: list[Route], error: Exception) -> None:
@@ -470,7 +502,7 @@ class Router:
         parts (the measured choice's note last but for those two)."""
         nodes = program.graph.nodes
         notes = []
-        walked = self._cache.walk_note(program.planned, len(nodes))
+        walked = self._cache.walk_note(program.planned, len(nodes), follows=self._follows(backward=True, probe=False))
         if walked:
             notes.append(walked)
         tuned = self._tuner.describe() if self._tuner is not None else None
@@ -554,6 +586,12 @@ def _check_static_graph(value: Any) -> int:
             f"`static_graph` must be None, True, False or an int >= 1 (check every n-th backward), got {value}"
         )
     return value
+
+
+def _own_params(group: Group, groups: Iterable[Group]) -> tuple[torch.Tensor, ...]:
+    """The parameters of ``group`` that none of the other ``groups`` holds."""
+    others = {id(p) for g in groups if g is not group for p in g.params}
+    return tuple(p for p in group.params if id(p) not in others)
 
 
 def _check_allow_unreached(value: Any, groups: Mapping[str, Group]) -> set[str]:

@@ -174,13 +174,14 @@ def test_plan_notes_that_backwards_follow_a_graph_whose_plan_is_exact_on_any_gra
         h = b(a(torch.ones(2, 3, dtype=D)))
         return {"a": h.sum(), "b": h.pow(2).sum()}
 
-    for _ in range(12):  # walked 8 times, then followed
+    for _ in range(12):  # walked 8 times, then followed (each from empty gradients)
         router.backward(**shared())
+        router.zero_grad()
     assert router._cache.located == 4
     plan = router.plan(**shared())
     assert _walk_notes(plan) == [
-        "walk: the last 8 walks found this graph, and its plan is exact on any graph: routed backwards follow the "
-        f"paths from the losses instead of walking its {plan.graph_nodes} nodes ("
+        "walk: the last 8 walks found this graph, and its plan is exact on any graph: routed backwards from empty "
+        f"gradients follow the paths from the losses instead of walking its {plan.graph_nodes} nodes ("
         + _walk_notes(plan)[0].split(" nodes (")[1]
     ]
     assert _walk_notes(plan)[0].endswith(' ms each), and walk it once every 32 backwards (README, "Static graphs")')

@@ -13,7 +13,7 @@ import torch
 from torch.autograd.graph import Node
 
 from .._graph import Graph, signature_marks
-from .._locate import Paths, located, paths
+from .._locate import Paths, freed_probe, located, paths
 from .._types import Route
 from .build import Planned
 
@@ -103,6 +103,8 @@ class PlanCache:
             self.entries[old_key].remove(old)
             if not self.entries[old_key]:
                 del self.entries[old_key]
+            if self._last_walked.get(old_key) is old:  # not followed once dropped (``recheck`` cannot reach it)
+                del self._last_walked[old_key]
         self._clock += 1
         entry = _Entry(signature, planned, self._clock)
         self.entries.setdefault(key, []).insert(0, entry)
@@ -125,19 +127,19 @@ class PlanCache:
         entry.walks.append(seconds)
         del entry.walks[:-_WALKS_KEPT]
 
-    def walk_note(self, planned: Planned, nodes: int) -> str | None:
+    def walk_note(self, planned: Planned, nodes: int, *, follows: bool) -> str | None:
         """A line for the plan printout where routed backwards walk the same graph again and again (``static_graph``
         off, ``_STREAK`` or more in a row): the walk's time, and the switch that skips it, or that backwards follow
-        the graph's paths already (NOTE [Following without a promise])."""
+        the graph's paths already (``follows``: the router would let them; NOTE [Following without a promise])."""
         entry = next((e for found in self.entries.values() for e in found if e.planned is planned), None)
         if self.static_graph or entry is None or entry.streak < _STREAK:
             return None
         ms = statistics.median(entry.walks) * 1e3
-        if self.follow and entry.planned.any_graph is not None:
+        if follows and self.follow and entry.planned.any_graph is not None:
             return (
                 f"walk: the last {entry.streak} walks found this graph, and its plan is exact on any graph: routed "
-                f"backwards follow the paths from the losses instead of walking its {nodes} nodes ({ms:.2f} ms "
-                f'each), and walk it once every {self.follow} backwards (README, "Static graphs")'
+                f"backwards from empty gradients follow the paths from the losses instead of walking its {nodes} "
+                f'nodes ({ms:.2f} ms each), and walk it once every {self.follow} backwards (README, "Static graphs")'
             )
         return (
             f"walk: the last {entry.streak} routed backwards had this graph; walking its {nodes} nodes took "
@@ -162,13 +164,13 @@ class PlanCache:
         found = self.entries.get(key)
         return found[0] if found and found[0].paths is not None else None
 
-    def confirm(self, entry: _Entry, g: Graph, roots: Sequence[Node]) -> None:
-        """A graph ``g`` (walked from ``roots``) equal to ``entry``'s, walked by a backward that may follow paths:
-        restart the count to the next walk, and record the paths later backwards follow (once; without
-        ``static_graph``, only once ``entry`` is one they follow)."""
+    def confirm(self, entry: _Entry, g: Graph, route_roots: Sequence[Sequence[Node]]) -> None:
+        """A graph ``g`` (walked from ``route_roots``: per route, per loss) equal to ``entry``'s, walked by a backward
+        that may follow paths: restart the count to the next walk, and record the paths later backwards follow
+        (once; without ``static_graph``, only once ``entry`` is one they follow)."""
         entry.since_walk = 0
         if entry.paths is None and (self.static_graph or self._followable(entry)):
-            _record_paths(entry, g, roots)
+            _record_paths(entry, g, route_roots)
 
     def _followable(self, entry: _Entry) -> bool:
         """Without ``static_graph``: whether backwards may follow ``entry``'s paths (NOTE [Following without a
@@ -242,20 +244,21 @@ _WALK_NEXT = 1 << 30  # ``since_walk`` that makes the next backward walk
 
 # NOTE [Following without a promise]
 # Without ``static_graph`` (``Router(static_graph=None)``, the default), the router follows paths only where
-# nothing the walk finds could change a gradient: the call shape's last ``_STREAK`` walks found one graph, and
-# its plan is right on any graph (``Planned.any_graph``: one engine call per route, from all its losses into
-# all of its parameters that require grad, capturing nothing; the measured choice keeps such a plan wherever
-# it is as fast). The paths then lead from the losses to a few nodes that keep tensors (the freed check);
+# nothing the walk finds could change a gradient or what a failure leaves: the call shape's last ``_STREAK``
+# walks found one graph; its plan is right on any graph (``Planned.any_graph``: one engine call per route,
+# from all its losses into all of its parameters that require grad, capturing nothing, every call but the last
+# retaining; the measured choice keeps such a plan wherever it is as fast); and the backward has no gradient
+# to add to (``Router.grads``, or every routed ``.grad`` None: a failure is undone, so no probe of the whole
+# graph is needed). The paths lead from the losses to a few nodes the last engine call runs (the freed check);
 # every ``follow``-th backward walks again. A graph found changed is no error: it is planned as a new graph,
 # and following stops until it, too, has been walked ``_STREAK`` times in a row. The gradients of the
-# backwards in between were exact whatever changed: the engine finds what each call reaches. What waits for
-# the next walk: refusing a reentrant ``torch.utils.checkpoint`` segment that appeared since (the engine
-# refuses it; a followed backward that raises makes the next one walk, and the router walks at once to name
-# the cause), and a better plan for the new graph. A loss that stopped reaching its group is refused after the
-# backward where every routed ``.grad`` was None before it (the router sees that its group got none, and sets
-# them all back: ``Router._refuse_unreached``); with gradients to add to, at the next walk (the group gets no
-# gradient from it meanwhile). A group frozen since makes the backward walk. Off under DDP and FSDP2 (the
-# router's ``follows``), whose hooks expect the plan's parameters.
+# backwards in between were exact whatever changed: the engine finds what each call reaches. What the walk
+# would have refused is refused all the same: a reentrant ``torch.utils.checkpoint`` segment that appeared
+# since is refused by the engine, and the router walks at once to name it; a group that got no gradient is
+# looked up with a walk (``Router._refuse_unreached``: a custom ``autograd.Function`` may return None for an
+# input it is connected to), and refused with every routed ``.grad`` None again if its losses reach none of its
+# parameters. A followed backward that raises makes the next one walk; a group frozen since makes the backward
+# walk. Off under DDP and FSDP2, whose hooks expect the plan's parameters.
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -279,13 +282,17 @@ def _wanted(planned: Planned) -> set[int]:
     return out
 
 
-def _record_paths(entry: _Entry, g: Graph, roots: Sequence[Node]) -> None:
-    """Record the paths from ``roots`` to the nodes ``entry``'s plan needs in ``g``, and its parameters' marks."""
+def _record_paths(entry: _Entry, g: Graph, route_roots: Sequence[Sequence[Node]]) -> None:
+    """Record the paths from the roots (per route, per loss) to the nodes ``entry``'s plan needs in ``g``, and its
+    parameters' marks."""
     marks = signature_marks(g.signature)
     mark_of = dict(zip(marks[::2], marks[1::2]))
     targets = {j for call in entry.planned.plan.calls for j in call.wiring.targets}
     entry.leaves = tuple((j, mark_of[j]) for j in sorted(targets))
-    entry.paths = paths(g, roots, _wanted(entry.planned))
+    last = entry.planned.plan.calls[-1].wiring
+    starts = [g.index[route_roots[r][k]] for r, k in last.losses] + [j for j, _ in last.edges_in]
+    probe = freed_probe(g, starts, [*last.targets, *(j for j, _ in last.edges_out)])
+    entry.paths = paths(g, [n for nodes in route_roots for n in nodes], _wanted(entry.planned), probe)
 
 
 def param_marks(routes: Sequence[Route]) -> dict[int, int]:

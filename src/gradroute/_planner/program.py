@@ -115,7 +115,7 @@ def build(
         if walked is not None and cache is not None:
             cache.walked(key, hit, walked)
         if follow and cache is not None:
-            cache.confirm(hit, g, roots)
+            cache.confirm(hit, g, route_roots)
         return Program(hit.planned, g, routes, options, walked=seconds)
     root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
     planned = analyse(

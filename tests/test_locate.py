@@ -505,32 +505,68 @@ def test_followed_backward_of_losses_backpropagated_twice_fails_before_adding_to
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
 
 
-def test_static_graph_losses_backpropagated_twice_where_the_first_call_retains_fail_before_adding_to_any_gradient():
+@pytest.mark.parametrize("short_term", [False, True])
+def test_static_graph_losses_backpropagated_twice_where_the_first_call_retains_fail_before_adding_to_any_gradient(
+    short_term,
+):
     # the nodes nearest the losses that keep tensors include `reg`'s square, run only by the text encoder's call,
-    # which retains: the first routed backward leaves it alive. The freed check probes the last call's nodes.
+    # which retains: the first routed backward leaves it alive. The freed check probes the last call's nodes
+    # (`short_term`: the shortest of its paths, to `q`, keeps no tensor; a longer one does)
     tenc, unet = _nets()
     reg = nn.Parameter(torch.linspace(-1, 1, 6, dtype=D))
+    q = nn.Parameter(torch.linspace(0, 1, 3, dtype=D))
     x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
-    groups = {"tenc": [*tenc.parameters(), reg], "unet": list(unet.parameters())}
+    groups = {"tenc": [*tenc.parameters(), reg], "unet": [*unet.parameters(), q]}
     options = gradroute.PlanOptions(split=False)
     router = gradroute.Router(groups, autotune=False, static_graph=True, plan_options=options)
 
     def forward() -> dict[str, torch.Tensor]:
         out = unet(tenc(x))
         extra = reg.pow(2).sum()  # made last: the engine runs it first
-        return {"tenc": out.pow(2).mean() + extra, "unet": out[:3].mean()}
+        return {"tenc": out.pow(2).mean() + extra, "unet": out[:3].mean() + (q.sum() if short_term else 0)}
 
     for _ in range(3):
         router.backward(**forward())
     losses = forward()
     router.backward(**losses)
     assert router._cache.located > 0
-    params = [*_params(tenc, unet), reg]
+    params = [*_params(tenc, unet), reg, *([q] if short_term else [])]
     before = [p.grad.clone() for p in params]
     with pytest.raises(gradroute.GraphFreedError, match=r"already freed"):
         router.backward(**losses)
     for p, b in zip(params, before):
         torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
+
+
+def test_static_graph_plan_of_no_engine_call_is_followed():
+    # every loss reaches only the other group's parameters (allowed): the plan has no engine call
+    a, b = nn.Linear(3, 3).to(D), nn.Linear(3, 3).to(D)
+    x = torch.linspace(-1, 1, 6, dtype=D).reshape(2, 3)
+    router = gradroute.Router(a=a, b=b, allow_unreached=True, autotune=False, static_graph=True)
+    for _ in range(4):
+        router.backward(a=b(x).pow(2).mean(), b=a(x).pow(2).mean())
+    assert router._cache.located == 2
+    assert all(p.grad is None for p in [*a.parameters(), *b.parameters()])
+
+
+def test_default_following_does_not_walk_for_a_group_whose_own_parameters_were_frozen_since():
+    # `a` trains only the shared `emb` now: its gradient says nothing about its loss; no walk to look it up
+    emb, head_a, head_b = (nn.Linear(4, k).to(D) for k in (4, 1, 1))
+    groups = {"a": [*emb.parameters(), *head_a.parameters()], "b": [*emb.parameters(), *head_b.parameters()]}
+    router = gradroute.Router(groups, autotune=False, plan_options=gradroute.PlanOptions(split=False))
+    head_a.requires_grad_(False)
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+
+    def forward() -> dict[str, torch.Tensor]:
+        h = emb(x)
+        return {"a": (head_a(h) + head_b(h)).pow(2).mean(), "b": head_b(h).pow(2).mean()}
+
+    trained = {name: [p for p in ps if p.requires_grad] for name, ps in groups.items()}
+    _routed_exactly(router, forward, trained, steps=10)
+    located, hits = router._cache.located, router._cache.hits
+    _routed_exactly(router, forward, trained, steps=20)
+    assert router._cache.located == located + 20
+    assert router._cache.hits == hits  # no walk looked anything up
 
 
 def test_default_follows_nothing_under_ddp(tmp_path):

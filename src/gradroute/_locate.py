@@ -42,9 +42,10 @@ class Paths:
 
 def freed_probe(g: Graph, starts: Sequence[int], ends: Iterable[int]) -> tuple[int, ...]:
     """The nodes for the freed check of graphs like ``g`` whose last engine call runs from the nodes ``starts`` into
-    ``ends``: the first few that keep tensors on a shortest path between them (the call runs every node on such a
-    path and, not retaining, frees it: a second backward of the same losses finds it freed, where nodes run only by
-    earlier, retaining calls still hold theirs). Else the first few of ``g`` that keep tensors (breadth first)."""
+    ``ends``: the first few that keep tensors on the shortest path between them that has any (the call runs every
+    node on such a path and, not retaining, frees it: a second backward of the same losses finds it freed, where
+    nodes run only by earlier, retaining calls still hold theirs). Else the first few of ``g`` that keep tensors
+    (breadth first)."""
     targets = set(ends)
     parent = dict.fromkeys(starts, -1)
     frontier = collections.deque(starts)
@@ -52,13 +53,13 @@ def freed_probe(g: Graph, starts: Sequence[int], ends: Iterable[int]) -> tuple[i
         i = frontier.popleft()
         if i in targets:
             chain = []
-            while i != -1:
-                chain.append(i)
-                i = parent[i]
+            k = i
+            while k != -1:
+                chain.append(k)
+                k = parent[k]
             found = tuple(itertools.islice((j for j in reversed(chain) if saved_attrs(g.nodes[j])), _PROBE))
             if found:
                 return found
-            break
         for j, _ in g.succ[i]:
             if j not in parent:
                 parent[j] = i

@@ -454,16 +454,19 @@ class Router:
         for a route whose losses reach none of its group's parameters, with every routed ``.grad`` None again
         (``accumulate``: all were before it, see ``_follows``; else ``out`` holds each route's gradients). Only
         where no parameter of the group's own got a gradient is the graph walked to tell (a custom
-        ``autograd.Function`` may return None for an input it is connected to)."""
+        ``autograd.Function`` may return None for an input it is connected to). A group whose trainable parameters
+        are all shared with other groups is not checked (their calls write them): its refusal waits for a walk."""
         maybe = []
         for k, r in enumerate(routes):
             if r.name in self._allow_unreached:
                 continue
-            if any(p.grad is not None for p in self._own[r.name]) if accumulate else out[k]:
+            if not accumulate:
+                if not out[k]:
+                    maybe.append(r.name)
                 continue
-            if accumulate and not self._own[r.name]:  # every parameter shared: other groups' calls write them
-                continue
-            maybe.append(r.name)
+            own = self._own[r.name]
+            if not any(p.grad is not None for p in own) and any(p.requires_grad for p in own):
+                maybe.append(r.name)
         if not maybe:
             return
         walked = build(

@@ -257,8 +257,9 @@ _WALK_NEXT = 1 << 30  # ``since_walk`` that makes the next backward walk
 # since is refused by the engine, and the router walks at once to name it; a group that got no gradient is
 # looked up with a walk (``Router._refuse_unreached``: a custom ``autograd.Function`` may return None for an
 # input it is connected to), and refused with every routed ``.grad`` None again if its losses reach none of its
-# parameters. A followed backward that raises makes the next one walk; a group frozen since makes the backward
-# walk. Off under DDP and FSDP2, whose hooks expect the plan's parameters.
+# parameters (except a group whose trainable parameters are all shared with other groups, whose calls write
+# them: its refusal waits for the next walk). A followed backward that raises makes the next one walk; a group
+# frozen since makes the backward walk. Off under DDP and FSDP2, whose hooks expect the plan's parameters.
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -289,9 +290,10 @@ def _record_paths(entry: _Entry, g: Graph, route_roots: Sequence[Sequence[Node]]
     mark_of = dict(zip(marks[::2], marks[1::2]))
     targets = {j for call in entry.planned.plan.calls for j in call.wiring.targets}
     entry.leaves = tuple((j, mark_of[j]) for j in sorted(targets))
-    last = entry.planned.plan.calls[-1].wiring
-    starts = [g.index[route_roots[r][k]] for r, k in last.losses] + [j for j, _ in last.edges_in]
-    probe = freed_probe(g, starts, [*last.targets, *(j for j, _ in last.edges_out)])
+    calls = entry.planned.plan.calls
+    last = calls[-1].wiring if calls else None  # no call: no loss reaches a routed parameter
+    starts = [g.index[route_roots[r][k]] for r, k in last.losses] + [j for j, _ in last.edges_in] if last else []
+    probe = freed_probe(g, starts, [*last.targets, *(j for j, _ in last.edges_out)] if last else [])
     entry.paths = paths(g, [n for nodes in route_roots for n in nodes], _wanted(entry.planned), probe)
 
 

@@ -136,10 +136,9 @@ class Router:
             raise TypeError(f"`autotune` must be a bool or a gradroute.Autotune, got {type(autotune).__name__}")
         self._tuner = None if settings is None else Tuner(settings, _CHECKPOINTS)
         # room for every candidate's program of two call shapes
-        every = _check_static_graph(static_graph)
         self._cache = PlanCache(
             size=8 if settings is None else 16,
-            static_graph=every,
+            static_graph=_check_static_graph(static_graph),
             follow=_FOLLOW_WALK_EVERY if static_graph is None else 0,
         )
         self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)

@@ -441,6 +441,91 @@ def test_default_following_a_graph_that_gained_a_reentrant_checkpoint_fails_nami
     assert router._cache.located == located + 1  # the next backward walked
 
 
+def _segment_off_the_calls(change: str):
+    """A router of groups `a` (with `e`) and `b`, and a forward whose `e` moves, with ``change``, into a reentrant
+    ``torch.utils.checkpoint`` segment whose only input is a leaf of no group: no engine call of the plan runs it
+    (``"reentrant"``); ``"reentrant, detached"`` keeps `e` out of the segment (it runs ``sin``) and detaches `a`'s
+    loss from `a`'s parameters as well."""
+    a, b = _nets()
+    e = nn.Linear(4, 4).to(D)
+    z = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4).requires_grad_()
+    x = torch.linspace(0, 1, 20, dtype=D).reshape(5, 4)
+    groups = {"a": [*a.parameters(), *e.parameters()], "b": list(b.parameters())}
+    router = gradroute.Router(groups, autotune=False, plan_options=gradroute.PlanOptions(split=False))
+
+    def forward(changed: bool) -> dict[str, torch.Tensor]:
+        inner = torch.sin if change == "reentrant, detached" else e
+        side = torch.utils.checkpoint.checkpoint(inner, z, use_reentrant=True) if changed else e(z)
+        h = a(x + side)
+        if changed and change == "reentrant, detached":
+            h = h.detach() + side.sum()
+        loss = b(h).pow(2)
+        return {"a": loss.mean(), "b": loss[:3].mean()}
+
+    return router, forward, groups
+
+
+@pytest.mark.parametrize("change", ["reentrant", "reentrant, detached"])
+def test_default_following_a_reentrant_segment_no_engine_call_runs_is_refused_with_every_gradient_empty(change):
+    # the engine skips the segment (it leads to no call's inputs); the parameters it hides get no gradient,
+    # which makes the router walk, find it and refuse it, as a walking router does
+    router, forward, groups = _segment_off_the_calls(change)
+    _routed_exactly(router, lambda: forward(False), groups, steps=10)
+    params = [p for ps in groups.values() for p in ps]
+    for p in params:
+        p.grad = None
+    located = router._cache.located
+    with pytest.raises(ValueError, match=r"reentrant torch.utils.checkpoint segment \(use_reentrant=True\)"):
+        router.backward(**forward(True))
+    assert router._cache.located == located + 1  # followed: refused after its engine calls
+    assert all(p.grad is None for p in params)
+    with pytest.raises(ValueError, match=r"reentrant torch.utils.checkpoint segment"):
+        router.backward(**forward(True))
+    assert router._cache.located == located + 1  # the next backward walked
+
+
+def test_default_following_a_parameter_that_gets_no_gradient_is_walked_for_once_per_graph():
+    # `unused` requires grad and no loss reaches it: the first followed backward walks to tell, later ones do not
+    tenc, unet, extra, groups, router = _one_call_per_route()
+    unused = nn.Linear(2, 2).to(D)
+    groups = {"tenc": [*groups["tenc"], *unused.parameters()], "unet": groups["unet"]}
+    router = gradroute.Router(groups, autotune=False, plan_options=gradroute.PlanOptions(split=False))
+    forward = _chain(tenc, unet, extra)
+    _routed_exactly(router, forward, groups, steps=8)
+    hits = router._cache.hits
+    _routed_exactly(router, forward, groups, steps=1)
+    assert router._cache.located == 1
+    assert router._cache.hits == hits + 1  # the one walk
+    _routed_exactly(router, forward, groups, steps=20)
+    assert router._cache.located == 21
+    assert router._cache.hits == hits + 1
+
+
+def test_default_following_refuses_a_group_of_shared_parameters_routed_alone():
+    # `a` trains only `emb`, which `b` shares; `b` is not routed, so `emb`'s missing gradient tells
+    emb, head_a, head_b = (nn.Linear(4, k).to(D) for k in (4, 1, 1))
+    groups = {"a": [*emb.parameters(), *head_a.parameters()], "b": [*emb.parameters(), *head_b.parameters()]}
+    router = gradroute.Router(groups, autotune=False, plan_options=gradroute.PlanOptions(split=False))
+    head_a.requires_grad_(False)
+    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+    z = torch.zeros(5, 4, dtype=D, requires_grad=True)  # keeps `head_a`'s input requiring grad
+
+    def forward(detached: bool = False) -> dict[str, torch.Tensor]:
+        e = emb(x)
+        h = (e.detach() if detached else e) + z * 0
+        return {"a": (head_a(h) + head_b(x)).pow(2).mean()}
+
+    _routed_exactly(router, forward, {"a": list(emb.parameters())}, steps=10)
+    located = router._cache.located
+    assert located > 0
+    for p in emb.parameters():
+        p.grad = None
+    with pytest.raises(ValueError, match=r"loss for group `a` reaches none of that group's 4 parameters"):
+        router.backward(**forward(detached=True))
+    assert router._cache.located == located + 1
+    assert all(p.grad is None for p in emb.parameters())
+
+
 class _HookFailed(Exception):
     pass
 
@@ -581,3 +666,39 @@ def test_default_follows_nothing_under_ddp(tmp_path):
         assert router._cache.located == 0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("which", ["a parameter", "a group"])
+@pytest.mark.parametrize("method", ["backward", "grads"])
+@pytest.mark.parametrize(
+    "options", [gradroute.PlanOptions(), gradroute.PlanOptions(split=False)], ids=["cut", "split=False"]
+)
+@pytest.mark.parametrize("static_graph", [False, None, True])
+def test_parameters_frozen_between_forward_and_backward_get_no_gradient_as_in_a_plain_backward(
+    static_graph, options, method, which
+):
+    # the graph still holds their AccumulateGrad nodes; the engine refuses them as inputs, a plain backward skips
+    # them (and an engine call left with no inputs would write every leaf)
+    tenc, unet = _nets()
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    router = gradroute.Router(groups, static_graph=static_graph, autotune=False, plan_options=options)
+    forward = _forward(tenc, unet)
+    params = _params(tenc, unet)
+    _routed_exactly(router, forward, groups, steps=12, method=method)
+    frozen = [tenc[0].weight] if which == "a parameter" else groups["tenc"]
+    kept = {id(p) for p in params} - {id(p) for p in frozen}
+    trained = [p for p in params if id(p) in kept]
+    losses = forward()
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        left = {n: [p for p in ps if id(p) in kept] for n, ps in groups.items()}
+        expected = reference_grads(forward, left, names=[n for n, ps in left.items() if ps])
+        for p in params:
+            p.grad = None
+        route_into_grad(router, method, losses, params)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    assert all(p.grad is None for p in frozen)
+    assert_grads_match(trained, expected, rtol=1e-10, atol=1e-12)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from itertools import compress
 from typing import Any, ClassVar
 
 import torch
@@ -194,6 +196,10 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
             outputs.append(t)
             grad_outputs.append(torch.ones_like(t))
         targets = program.targets[c] if program.targets is not None else tuple(map(leaf.__getitem__, w.targets))
+        ids = w.targets
+        owners = w.target_routes if program.target_routes is None else program.target_routes[c]
+        if not all(map(_requires_grad, targets)):
+            targets, ids, owners = _frozen_since(targets, ids, owners)
         handoff = _Handoff()
         try:
             for j, nr in w.edges_in:
@@ -201,7 +207,7 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
                 if grad[0] is not None:
                     outputs.append(GradientEdge(nodes[j], nr))
                     grad_outputs.append(handoff.hand_off(nodes[j], nr, grad, 0))
-            if not outputs:
+            if not outputs or not (targets or w.edges_out):  # (no inputs: the engine would write every leaf)
                 continue
             edges_out: list[torch.Tensor | GradientEdge] = [GradientEdge(nodes[j], nr) for j, nr in w.edges_out]
             try:
@@ -223,12 +229,23 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
         grads = res[len(edges_out) :]
         del res  # the engine steals what nothing else references
         if accumulate and targets:
-            _accumulate([nodes[j] for j in w.targets], targets, grads)
+            _accumulate([nodes[j] for j in ids], targets, grads)
         else:
-            owners = w.target_routes if program.target_routes is None else program.target_routes[c]
             for i, r in enumerate(owners):
                 _add(collected[r], id(targets[i]), grads[i])
     return collected
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _frozen_since(
+    targets: Sequence[torch.Tensor], ids: Sequence[int], owners: Sequence[int]
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...], tuple[int, ...]]:
+    """A call's parameters, their node ids and routes without those that stopped requiring grad since the forward
+    (the engine refuses them as inputs; a plain backward's ``AccumulateGrad`` skips them)."""
+    keep = list(map(_requires_grad, targets))
+    return tuple(compress(targets, keep)), tuple(compress(ids, keep)), tuple(compress(owners, keep))
 
 
 def run_engine(

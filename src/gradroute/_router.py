@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
+import operator
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -20,7 +22,7 @@ from ._execute import GraphFreedError, execute, freed_message, undoable
 from ._graph import Graph, reaches, root_node
 from ._group import Group, GroupLike
 from ._options import PlanOptions
-from ._planner import Checkpoints, Plan, PlanCache, Program, build, refuse_reentrant
+from ._planner import Checkpoints, Plan, PlanCache, Planned, Program, build, refuse_reentrant
 from ._step import Stepper, StepStats
 from ._types import Route
 
@@ -155,8 +157,6 @@ class Router:
         )
         for name, group in self._groups.items():
             group.name = name
-        # per group, its parameters no other group holds (``_refuse_unreached``)
-        self._own = {name: _own_params(g, self._groups.values()) for name, g in self._groups.items()}
         # the groups whose parameters FSDP2 may have sharded: only theirs are looked up on every backward
         self._sharded = {name for name, group in self._groups.items() if has_dtensor(group.params)}
 
@@ -346,10 +346,10 @@ class Router:
                         self._cache.recheck()
                         self._refuse_reentrant(routes, e)
                     raise
-            located = program.graph.located
+            followed = program.planned if program.graph.located else None
             del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
-        if located and self._cache.follow:
-            self._refuse_unreached(routes, out, accumulate=accumulate)
+        if followed is not None and self._cache.follow:
+            self._check_followed(routes, out, followed, accumulate=accumulate)
         return out
 
     def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
@@ -448,43 +448,40 @@ class Router:
             f"Router(..., allow_unreached=[{name!r}]) if that is intended"
         )
 
-    def _refuse_unreached(self, routes: list[Route], out: list[dict[int, torch.Tensor]], *, accumulate: bool) -> None:
-        """After a backward that followed paths without ``static_graph`` (no walk looked): raise as the walk would
-        for a route whose losses reach none of its group's parameters, with every routed ``.grad`` None again
-        (``accumulate``: all were before it, see ``_follows``; else ``out`` holds each route's gradients). Only
-        where no parameter of the group's own got a gradient is the graph walked to tell (a custom
-        ``autograd.Function`` may return None for an input it is connected to). A group whose trainable parameters
-        are all shared with other groups is not checked (their calls write them): its refusal waits for a walk."""
-        maybe = []
-        for k, r in enumerate(routes):
-            if r.name in self._allow_unreached:
-                continue
-            if not accumulate:
-                if not out[k]:
-                    maybe.append(r.name)
-                continue
-            own = self._own[r.name]
-            if not any(p.grad is not None for p in own) and any(p.requires_grad for p in own):
-                maybe.append(r.name)
-        if not maybe:
+    def _check_followed(
+        self, routes: list[Route], out: list[dict[int, torch.Tensor]], followed: Planned, *, accumulate: bool
+    ) -> None:
+        """After a backward that followed paths without ``static_graph`` (no walk looked): where a parameter that
+        requires grad got no gradient, walk the graph and raise what the walk raises (a loss that reaches none
+        of its group's parameters, a reentrant checkpoint segment), with every routed ``.grad`` None again
+        (``accumulate``: all were before it, see ``_follows``; else ``out`` holds each route's gradients). A
+        set of such parameters that a walk of this graph found without error is not walked for again (a
+        custom ``autograd.Function`` may return None for an input it is connected to; a parameter may be
+        unused)."""
+        missing = _no_gradient(routes, out, accumulate=accumulate)
+        if not missing or self._cache.no_gradient_seen(followed, missing):
             return
-        walked = build(
-            routes,
-            merge_shared=accumulate,
-            options=self._options,
-            cache=self._cache,
-            checkpoints=_CHECKPOINTS,
-            probe=False,
-        )
-        bad = [n for n in walked.unreached if n in maybe]
-        del walked
-        if bad:
+        try:
+            walked = build(
+                routes,
+                merge_shared=accumulate,
+                options=self._options,
+                cache=self._cache,
+                checkpoints=_CHECKPOINTS,
+                probe=False,
+            )
+            bad = [n for n in walked.unreached if n not in self._allow_unreached]
+            if bad:
+                raise ValueError(self._unreached_message(bad[0]))
+            if walked.planned is followed:  # the same graph: this set is what it gives
+                self._cache.saw_no_gradient(followed, missing)
+        except Exception:
             if accumulate:
                 for route in routes:
                     for p in route.params:
                         p.grad = None
             self._cache.recheck()
-            raise ValueError(self._unreached_message(bad[0]))
+            raise
 
     @staticmethod
     def _refuse_reentrant(routes: list[Route], error: Exception) -> None:
@@ -590,10 +587,22 @@ def _check_static_graph(value: Any) -> int:
     return value
 
 
-def _own_params(group: Group, groups: Iterable[Group]) -> tuple[torch.Tensor, ...]:
-    """The parameters of ``group`` that none of the other ``groups`` holds."""
-    others = {id(p) for g in groups if g is not group for p in g.params}
-    return tuple(p for p in group.params if id(p) not in others)
+def _no_gradient(routes: Sequence[Route], out: list[dict[int, torch.Tensor]], *, accumulate: bool) -> frozenset[int]:
+    """The ids of the routed parameters that require grad and got none (``accumulate``: their ``.grad`` is None,
+    as all were before; else not in their route's ``out``)."""
+    missing: list[int] = []
+    for k, route in enumerate(routes):
+        params = route.params
+        if accumulate:
+            if any(map(_is_none, map(_grad, params))):
+                missing += (id(p) for p in params if p.grad is None and p.requires_grad)
+        elif len(out[k]) < len(params):
+            missing += (id(p) for p in params if id(p) not in out[k] and p.requires_grad)
+    return frozenset(missing)
+
+
+_grad = operator.attrgetter("grad")
+_is_none = functools.partial(operator.is_, None)
 
 
 def _check_allow_unreached(value: Any, groups: Mapping[str, Group]) -> set[str]:

@@ -32,6 +32,8 @@ class _Entry:
     # routed backwards in a row whose graph was this one, and the last walks' times in seconds (``walk_note``)
     streak: int = 0
     walks: list[float] = field(default_factory=list)
+    # the ids of parameters requiring grad that got none in a followed backward, where a walk then found no error
+    no_gradient: frozenset[int] = frozenset()
     # the parameters by mark these were made from, the leaf map, and per call its parameters
     leaf: tuple[Sequence[torch.Tensor], dict[int, torch.Tensor], tuple[tuple[torch.Tensor, ...], ...]] = ((), {}, ())
 
@@ -177,6 +179,20 @@ class PlanCache:
         promise])."""
         return bool(self.follow) and entry.planned.any_graph is not None and entry.streak >= _STREAK
 
+    def no_gradient_seen(self, planned: Planned, missing: frozenset[int]) -> bool:
+        """Whether a walk of the graph followed with ``planned`` found parameters ``missing`` getting no gradient
+        without error (``Router._check_followed``)."""
+        entry = self._followed(planned)
+        return entry is not None and entry.no_gradient == missing
+
+    def saw_no_gradient(self, planned: Planned, missing: frozenset[int]) -> None:
+        entry = self._followed(planned)
+        if entry is not None:
+            entry.no_gradient = missing
+
+    def _followed(self, planned: Planned) -> _Entry | None:
+        return next((e for e in self._last_walked.values() if e.planned is planned), None)
+
     def targets(
         self, entry: _Entry, routes: Sequence[Route]
     ) -> tuple[tuple[tuple[torch.Tensor, ...], ...], tuple[tuple[int, ...], ...] | None] | None:
@@ -253,13 +269,18 @@ _WALK_NEXT = 1 << 30  # ``since_walk`` that makes the next backward walk
 # every ``follow``-th backward walks again. A graph found changed is no error: it is planned as a new graph,
 # and following stops until it, too, has been walked ``_STREAK`` times in a row. The gradients of the
 # backwards in between were exact whatever changed: the engine finds what each call reaches. What the walk
-# would have refused is refused all the same: a reentrant ``torch.utils.checkpoint`` segment that appeared
-# since is refused by the engine, and the router walks at once to name it; a group that got no gradient is
-# looked up with a walk (``Router._refuse_unreached``: a custom ``autograd.Function`` may return None for an
-# input it is connected to), and refused with every routed ``.grad`` None again if its losses reach none of its
-# parameters (except a group whose trainable parameters are all shared with other groups, whose calls write
-# them: its refusal waits for the next walk). A followed backward that raises makes the next one walk; a group
-# frozen since makes the backward walk. Off under DDP and FSDP2, whose hooks expect the plan's parameters.
+# would have refused is refused all the same, with every routed ``.grad`` None again: a reentrant
+# ``torch.utils.checkpoint`` segment that an engine call runs is refused by the engine, and the router walks
+# at once to name it; where a parameter that requires grad got no gradient, the router walks
+# (``Router._check_followed``) and raises what the walk raises: a loss that stopped reaching its group, a
+# reentrant segment that no call ran (it hides the parameters inside it; the one mark it leaves is the
+# gradient they no longer get). Such a set of parameters that the walk finds without error (a custom
+# ``autograd.Function`` may return None for an input it is connected to; a parameter may be unused) is
+# remembered for the graph, and not walked for again. What waits for the next walk: a loss that stopped
+# reaching a group whose trainable parameters are all shared with other groups routed in the same call (their
+# calls write them), and a reentrant segment holding only parameters no backward of this graph reached. A
+# followed backward that raises makes the next one walk; a group frozen since makes the backward walk. Off
+# under DDP and FSDP2, whose hooks expect the plan's parameters.
 
 
 _requires_grad = operator.attrgetter("requires_grad")

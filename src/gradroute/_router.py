@@ -347,9 +347,10 @@ class Router:
                         self._refuse_reentrant(routes, e)
                     raise
             followed = program.planned if program.graph.located else None
+            options = program.options  # the measured choice's: the walk below finds this plan's cache entry
             del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
         if followed is not None and self._cache.follow:
-            self._check_followed(routes, out, followed, accumulate=accumulate)
+            self._check_followed(routes, out, followed, options, accumulate=accumulate)
         return out
 
     def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
@@ -449,7 +450,13 @@ class Router:
         )
 
     def _check_followed(
-        self, routes: list[Route], out: list[dict[int, torch.Tensor]], followed: Planned, *, accumulate: bool
+        self,
+        routes: list[Route],
+        out: list[dict[int, torch.Tensor]],
+        followed: Planned,
+        options: PlanOptions,
+        *,
+        accumulate: bool,
     ) -> None:
         """After a backward that followed paths without ``static_graph`` (no walk looked): where a parameter that
         requires grad got no gradient, walk the graph and raise what the walk raises (a loss that reaches none
@@ -465,7 +472,7 @@ class Router:
             walked = build(
                 routes,
                 merge_shared=accumulate,
-                options=self._options,
+                options=options,
                 cache=self._cache,
                 checkpoints=_CHECKPOINTS,
                 probe=False,

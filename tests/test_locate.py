@@ -505,6 +505,17 @@ def test_default_following_a_parameter_that_gets_no_gradient_is_walked_for_once_
     assert router._cache.hits == hits  # no walk after the first followed backward's
 
 
+def test_default_following_stops_where_the_walk_after_a_missing_gradient_finds_another_graph():
+    # every other backward drops `extra` (a change off the followed paths): the walk its missing gradient makes
+    # finds the other graph, and the backwards walk from then on (as for any graph found changed), exact
+    tenc, unet, extra, groups, router = _one_call_per_route()
+    _routed_exactly(router, _chain(tenc, unet, extra, "widen"), groups, steps=9)
+    assert router._cache.located == 1
+    for step in range(40):
+        _routed_exactly(router, _chain(tenc, unet, extra, "none" if step % 2 == 0 else "widen"), groups, steps=1)
+    assert router._cache.located == 2  # the first backward without `extra` only
+
+
 def test_default_following_refuses_a_group_of_shared_parameters_routed_alone():
     # `a` trains only `emb`, which `b` shares; `b` is not routed, so `emb`'s missing gradient tells
     emb, head_a, head_b = (nn.Linear(4, k).to(D) for k in (4, 1, 1))

@@ -462,9 +462,10 @@ class Router:
         requires grad got no gradient, walk the graph and raise what the walk raises (a loss that reaches none
         of its group's parameters, a reentrant checkpoint segment), with every routed ``.grad`` None again
         (``accumulate``: all were before it, see ``_follows``; else ``out`` holds each route's gradients). A
-        set of such parameters that a walk of this graph found without error is not walked for again (a
+        set of such parameters that a walk of the followed graph found without error is not walked for again (a
         custom ``autograd.Function`` may return None for an input it is connected to; a parameter may be
-        unused)."""
+        unused). The walk counts as the call shape's (``PlanCache.walked``): one that finds another graph stops
+        following until a graph has been walked ``_STREAK`` times in a row."""
         missing = _no_gradient(routes, out, accumulate=accumulate)
         if not missing or self._cache.no_gradient_seen(followed, missing):
             return
@@ -475,6 +476,7 @@ class Router:
                 options=options,
                 cache=self._cache,
                 checkpoints=_CHECKPOINTS,
+                backward=True,
                 probe=False,
             )
             bad = [n for n in walked.unreached if n not in self._allow_unreached]

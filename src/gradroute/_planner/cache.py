@@ -276,7 +276,8 @@ _WALK_NEXT = 1 << 30  # ``since_walk`` that makes the next backward walk
 # reentrant segment that no call ran (it hides the parameters inside it; the one mark it leaves is the
 # gradient they no longer get). Such a set of parameters that the walk finds without error (a custom
 # ``autograd.Function`` may return None for an input it is connected to; a parameter may be unused) is
-# remembered for the graph, and not walked for again. What waits for the next walk: a loss that stopped
+# remembered for the graph, and not walked for again; a walk that finds another graph (changed off the paths)
+# stops following, as any walk that finds the graph changed. What waits for the next walk: a loss that stopped
 # reaching a group whose trainable parameters are all shared with other groups routed in the same call (their
 # calls write them), and a reentrant segment holding only parameters no backward of this graph reached. A
 # followed backward that raises makes the next one walk; a group frozen since makes the backward walk. Off

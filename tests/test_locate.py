@@ -516,13 +516,19 @@ def test_default_following_stops_where_the_walk_after_a_missing_gradient_finds_a
     assert router._cache.located == 2  # the first backward without `extra` only
 
 
-def test_default_following_refuses_a_group_of_shared_parameters_routed_alone():
-    # `a` trains only `emb`, which `b` shares; `b` is not routed, so `emb`'s missing gradient tells
+def _shared_emb():
+    """Groups `a` (`emb`, `head_a`, frozen after the router is made) and `b` (`emb`, `head_b`), a router whose plan is
+    one engine call per route, and an input."""
     emb, head_a, head_b = (nn.Linear(4, k).to(D) for k in (4, 1, 1))
     groups = {"a": [*emb.parameters(), *head_a.parameters()], "b": [*emb.parameters(), *head_b.parameters()]}
     router = gradroute.Router(groups, autotune=False, plan_options=gradroute.PlanOptions(split=False))
     head_a.requires_grad_(False)
-    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+    return emb, head_a, head_b, groups, router, torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+
+
+def test_default_following_refuses_a_group_of_shared_parameters_routed_alone():
+    # `a` trains only `emb`, which `b` shares; `b` is not routed, so `emb`'s missing gradient tells
+    emb, head_a, head_b, _groups, router, x = _shared_emb()
     z = torch.zeros(5, 4, dtype=D, requires_grad=True)  # keeps `head_a`'s input requiring grad
 
     def forward(detached: bool = False) -> dict[str, torch.Tensor]:
@@ -650,12 +656,8 @@ def test_static_graph_plan_of_no_engine_call_is_followed():
 
 
 def test_default_following_does_not_walk_for_a_group_whose_own_parameters_were_frozen_since():
-    # `a` trains only the shared `emb` now: its gradient says nothing about its loss; no walk to look it up
-    emb, head_a, head_b = (nn.Linear(4, k).to(D) for k in (4, 1, 1))
-    groups = {"a": [*emb.parameters(), *head_a.parameters()], "b": [*emb.parameters(), *head_b.parameters()]}
-    router = gradroute.Router(groups, autotune=False, plan_options=gradroute.PlanOptions(split=False))
-    head_a.requires_grad_(False)
-    x = torch.linspace(-1, 1, 20, dtype=D).reshape(5, 4)
+    # `a` trains only the shared `emb` now, which gets a gradient: no parameter left without one, no walk
+    emb, head_a, head_b, groups, router, x = _shared_emb()
 
     def forward() -> dict[str, torch.Tensor]:
         h = emb(x)

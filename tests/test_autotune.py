@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from gradroute._autotune import _Candidate, _State
 from ._reference import assert_grads_match, reference_grads, route_into_grad
 
 D = 4
-CANDIDATES = gradroute.Autotune.default_candidates(gradroute.PlanOptions())
+CANDIDATES = gradroute.Autotune.default_candidates(gradroute.PlanOptions(), keep_graph=True)
 
 
 class _Block(nn.Module):
@@ -126,10 +127,9 @@ def test_graph_with_one_call_per_pass_and_no_shared_segments_has_nothing_to_meas
     assert not any(n.startswith("autotune") for n in plan.notes)
 
 
-def test_plain_graph_with_a_split_pass_measures_one_call_per_pass_exactly() -> None:
+def _split_chain() -> tuple[nn.Module, nn.Module, Callable]:
+    """A plain chain whose text encoder's pass the default plan cuts at its output (two calls for that pass)."""
     tenc, unet = nn.Linear(D, D).double(), nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D)).double()
-    groups = _groups(tenc, unet)
-    params = groups["tenc"] + groups["unet"]
 
     def forward() -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(3)
@@ -137,8 +137,26 @@ def test_plain_graph_with_a_split_pass_measures_one_call_per_pass_exactly() -> N
         loss = unet(tenc(x)).pow(2)
         return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
 
-    expected = reference_grads(forward, groups)
+    return tenc, unet, forward
+
+
+def test_plain_graph_with_a_split_pass_has_nothing_to_measure_by_default() -> None:
+    # one call per pass would keep the nodes only its retaining call ran: not a default candidate
+    tenc, unet, forward = _split_chain()
     router = gradroute.Router(tenc=tenc, unet=unet, autotune=gradroute.Autotune(trials=1, memory_tolerance=math.inf))
+    plan = router.plan(**forward())
+    assert len(plan.calls) > len(plan.passes)
+    assert not router.autotuning
+    assert not any(n.startswith("autotune") for n in plan.notes)
+
+
+def test_plain_graph_with_a_split_pass_measures_one_call_per_pass_exactly_with_keep_graph() -> None:
+    tenc, unet, forward = _split_chain()
+    groups = _groups(tenc, unet)
+    params = groups["tenc"] + groups["unet"]
+    expected = reference_grads(forward, groups)
+    autotune = gradroute.Autotune(trials=1, memory_tolerance=math.inf, keep_graph=True)
+    router = gradroute.Router(tenc=tenc, unet=unet, autotune=autotune)
     plan = router.plan(**forward())
     assert len(plan.calls) > len(plan.passes)  # the text encoder's pass is cut at its output
     note = next(n for n in plan.notes if n.startswith("autotune"))
@@ -156,7 +174,9 @@ def test_plain_graph_with_a_split_pass_measures_one_call_per_pass_exactly() -> N
 def test_new_signature_measured_again_and_a_seen_one_reuses_its_choice() -> None:
     tenc, unet, forward = _model()
     router = gradroute.Router(tenc=tenc, unet=unet, autotune=gradroute.Autotune(trials=1))
-    while router.autotuning or not router._tuner.states:  # type: ignore[union-attr]
+    router.backward(**forward())
+    assert router.autotuning
+    while router.autotuning:
         router.backward(**forward())
     router.backward(**forward(extra=True))
     assert router.autotuning
@@ -201,55 +221,19 @@ def test_choice_is_the_fastest_within_the_memory_tolerance(times: list[float], p
     state = _State([], cands, resident=0, largest=0, trials=1, tolerance=0.1)
     for k, (t, p) in enumerate(zip(times, peaks, strict=True)):
         assert state.next() == k
-        state.record(k, t, p, held=0)
+        state.record(k, t, held=p)
     assert state.chosen == chosen
-
-
-def test_choice_counts_the_walk_a_plan_pays_on_every_backward() -> None:
-    # #0 runs faster but needs the graph walked on every backward; #1 is followed instead
-    cands = [_Candidate(gradroute.PlanOptions(chunk=k + 1)) for k in range(2)]
-    state = _State([], cands, resident=0, largest=0, trials=1, tolerance=0.1)
-    state.record(0, 1.0, 100, held=0, walk=0.3)
-    state.record(1, 1.2, 100, held=0)
-    assert state.chosen == 1
-    assert "#0 PlanOptions(chunk=1): 1300.00 ms (300.00 ms of it the walk)" in (state.describe() or "")
-
-
-@pytest.mark.parametrize(("static_graph", "walk_counted"), [(None, True), (False, False), (True, False)])
-def test_walk_counted_for_plans_that_need_it_only_where_others_are_followed(static_graph, walk_counted) -> None:
-    # a split pass (#0: the text encoder's pass cut at its output) and one call per pass (#1: right on any graph)
-    tenc, unet = nn.Linear(D, D).double(), nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D)).double()
-    x = torch.randn(5, D, dtype=torch.float64)
-    autotune = gradroute.Autotune(trials=2, memory_tolerance=math.inf)
-    router = gradroute.Router(tenc=tenc, unet=unet, autotune=autotune, static_graph=static_graph)
-    while router.autotuning or not router._tuner.states:  # type: ignore[union-attr]
-        loss = unet(tenc(x)).pow(2)
-        router.backward(tenc=loss.mean(), unet=loss[:2].mean())
-        router.zero_grad()  # no gradients to add to: backwards may follow
-    (state,) = next(iter(router._tuner.states.values()))  # type: ignore[union-attr]
-    assert [c.options.split for c in state.cands] == [True, False]
-    assert all(w > 0 for w in state.cands[0].walks) if walk_counted else not any(state.cands[0].walks)
-    assert not any(state.cands[1].walks)
-
-
-def test_measured_peaks_replace_the_estimates() -> None:
-    # candidates start with estimated peaks (the lowest: #1); on CUDA the measured ones decide (#0 within 10%)
-    cands = [_Candidate(gradroute.PlanOptions(chunk=k + 1), peak=p) for k, p in enumerate([900, 100, 900])]
-    state = _State([], cands, resident=0, largest=0, trials=1, tolerance=0.1)
-    for k, (t, p) in enumerate([(1.0, 105), (2.0, 100), (0.5, 200)]):
-        state.record(k, t, p, held=0)
-    assert state.chosen == 0 and [c.peak for c in cands] == [105, 100, 200]
 
 
 def test_a_candidate_that_fails_is_not_run_again_nor_chosen() -> None:
     cands = [_Candidate(gradroute.PlanOptions(chunk=k + 1)) for k in range(3)]
     state = _State([], cands, resident=0, largest=0, trials=2, tolerance=0.1)
-    state.record(0, 2.0, 100, held=0)
+    state.record(0, 2.0, held=100)
     state.fail(1)  # e.g. out of memory: the router's next backward runs the next candidate
-    state.record(2, 1.0, 100, held=0)
+    state.record(2, 1.0, held=100)
     assert state.queue == [0, 2]
-    state.record(0, 2.0, 100, held=0)
-    state.record(2, 1.0, 100, held=0)
+    state.record(0, 2.0, held=100)
+    state.record(2, 1.0, held=100)
     assert state.chosen == 2 and cands[1].failed
 
 
@@ -262,6 +246,7 @@ def test_a_candidate_that_fails_is_not_run_again_nor_chosen() -> None:
         ({"memory_tolerance": "10%"}, TypeError, r"`memory_tolerance` must be a number, got str"),
         ({"candidates": ()}, TypeError, r"`candidates` must be a non-empty tuple of gradroute.PlanOptions"),
         ({"candidates": (1,)}, TypeError, r"`candidates` must be a non-empty tuple of gradroute.PlanOptions"),
+        ({"keep_graph": 1}, TypeError, r"`keep_graph` must be a bool, got int \(1\)"),
     ],
 )
 def test_bad_autotune_settings_fail(kwargs: dict[str, Any], error: type, match: str) -> None:
@@ -272,3 +257,43 @@ def test_bad_autotune_settings_fail(kwargs: dict[str, Any], error: type, match: 
 def test_bad_autotune_argument_fails() -> None:
     with pytest.raises(TypeError, match=r"`autotune` must be a bool or a gradroute.Autotune, got str"):
         gradroute.Router(a=nn.Linear(2, 2), autotune="yes")  # type: ignore[arg-type]
+
+
+def test_router_shared_by_threads_through_grads_exact_while_measuring() -> None:
+    # four threads route through one router while its measured choice is trying candidates: every result exact
+    torch.manual_seed(0)
+    tenc = nn.Linear(D, D).double()
+    unet = nn.ModuleList(nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D)) for _ in range(4)).double()
+    groups = _groups(tenc, unet)
+
+    def forward(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        h = tenc(torch.randn(5, D, generator=g, dtype=torch.float64))
+        for k in (0, 2):
+            h = gradroute.checkpoint(lambda x, k=k: unet[k + 1](unet[k](x)) + x, h)
+        loss = h.pow(2)
+        return {"tenc": loss.mean(), "unet": loss[:2].mean()}
+
+    expected = {s: reference_grads(lambda s=s: forward(s), groups) for s in range(4)}
+    router = gradroute.Router(**groups, autotune=gradroute.Autotune(trials=3))
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def run(seed: int) -> None:
+        try:
+            start.wait(10)
+            for _ in range(15):
+                got = router.grads(**forward(seed))
+                for name, params in groups.items():  # the groups share no parameter
+                    for p, g in zip(params, got[name], strict=True):
+                        torch.testing.assert_close(g, expected[seed][id(p)], rtol=1e-9, atol=1e-12)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert not router.autotuning

@@ -13,7 +13,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradroute
-from gradroute._router import _collector_paused
 from tests._reference import assert_grads_match, assert_routed_exact, reference_grads
 
 D = torch.float64
@@ -308,36 +307,17 @@ def test_whole_retained_passes_would_keep_tensors_alive():
     assert _SaveProbe.refs[0]() is not None  # the tenc-only node was visited by the retaining pass only
 
 
-def test_collector_stays_paused_until_the_last_routed_backward_ends():
-    # routers in two threads: the first backward to end must not turn the collector on under the other's walk
-    assert gc.isenabled()
-    inside, first_done = threading.Event(), threading.Event()
+def test_routed_backward_leaves_the_cycle_collector_alone():
+    # the collector is process-wide: a routed backward must not switch it off for every other thread
+    tenc, unet, forward = _probe_chain()
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    losses = forward()
     seen: list[bool] = []
-
-    def other() -> None:
-        with _collector_paused():
-            inside.set()
-            first_done.wait(10)
-            seen.append(gc.isenabled())
-
-    thread = threading.Thread(target=other)
-    with _collector_paused():
-        thread.start()
-        assert inside.wait(10)
-    first_done.set()
-    thread.join(10)
-    assert seen == [False]
+    losses["unet"].grad_fn.register_prehook(lambda grad_outputs: seen.append(gc.isenabled()))
     assert gc.isenabled()
-
-
-def test_collector_paused_by_the_caller_stays_paused():
-    gc.disable()
-    try:
-        with _collector_paused():
-            pass
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
+    router.backward(**losses)
+    assert seen and all(seen)
+    assert gc.isenabled()
 
 
 def test_repeated_iterations_with_changing_graph():

@@ -18,11 +18,13 @@ from ._options import PlanOptions
 from ._planner import Call, Plan
 from ._router import Router
 from ._step import GroupStats, StepStats
+from ._types import GraphCounts
 
 __all__ = [
     "Autotune",
     "Call",
     "CompileStats",
+    "GraphCounts",
     "GraphFreedError",
     "Group",
     "GroupStats",

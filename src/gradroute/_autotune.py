@@ -3,31 +3,29 @@
 NOTE [Measured plan choice]
 Every plan the planner makes is exact, so plans are interchangeable; which is fastest depends on where the
 time goes (kernels, or the host's work per op and per engine call). Like ``torch.backends.cudnn.benchmark``,
-the router measures instead of guessing. The candidates are :class:`~gradroute.PlanOptions` derived from the
-router's own (:meth:`Autotune.default_candidates`): per-call recomputation as torch's checkpoint does it,
-larger chunks (fewer engine calls, more held), one shared recomputation kept through the whole backward
-(fewest calls, most held), remade tensors on and off (``remake_min_bytes``), one engine call per pass
-(``split=False``, as the hand-written ``pruned``: where the host's work per call counts, one call less). They
-only differ on graphs with ``gradroute.checkpoint`` segments that several engine calls enter, or whose plan
-splits a pass into several calls; any other graph has one candidate and nothing is measured.
-
-For a graph signature not seen before (per call shape: group names, loss counts, ``backward``/``grads``), each
-candidate's program is built once (then cached); candidates that make the same program are merged, and those whose
-estimated peak exceeds the lowest estimate by more than ``memory_tolerance`` are not tried (no out-of-memory while
-tuning), except the first: the router's own options, what it runs without tuning. The estimate: the routed
-parameters and a gradient each, the graph's saved tensors, and the larger of the largest shared segment's
-recomputation and the plan's shared recomputations held between calls (``Planned.held``; remade tensors not
-counted). Then each routed backward runs the next candidate, round-robin: a real, exact backward, so nothing is
-wasted but time. It is timed (CUDA: wall clock, the devices synchronised before and after; elsewhere the
-process's CPU time, which other processes' load does not inflate) and on CUDA its peak is measured
-(``max_memory_allocated`` after ``reset_peak_memory_stats``; the estimate elsewhere). After two rounds, candidates
-slower than 1.25x the fastest are not run again; after ``trials`` rounds the router keeps, for good, the fastest
-candidate (median time) whose peak is within ``memory_tolerance`` of the lowest. Where the router will follow a
-plan right on any graph instead of walking (NOTE [Following without a promise] in ``_planner/cache.py``), the
-time of every other candidate includes the walk of that backward (host time, counted as if nothing overlapped
-it): it pays that walk on every backward. A signature seen again (the last
-:data:`_SIGNATURES` per call shape) reuses its choice.
-
+the router measures instead of guessing.
+  1. Candidates: :class:`~gradroute.PlanOptions` derived from the router's own
+     (:meth:`Autotune.default_candidates`). They differ only on graphs with ``gradroute.checkpoint`` segments
+     that several engine calls enter, or whose plan splits a pass into several calls; any other graph has one
+     candidate and nothing is measured.
+  2. Every default candidate frees each node at its last use, as the router's own plan does: nothing of the
+     forward stays alive after ``backward`` while the caller holds the losses. One engine call per pass
+     (``split=False``) can keep the nodes only its earlier, retaining calls ran; it is a candidate only with
+     ``Autotune(keep_graph=True)``.
+  3. Per graph signature (per call shape: group names, loss counts, ``backward``/``grads``), never inherited:
+     a signature not seen before gets its own tuning; each candidate's program is built once on the walked
+     graph (then cached); candidates that make the same program are merged; those whose estimated peak exceeds
+     the lowest by more than ``memory_tolerance`` are not tried, except the first (the router's own options).
+     The estimate: routed parameters and a gradient each, the graph's saved tensors, the larger of the largest
+     shared segment's recomputation and the plan's shared recomputations held between calls. No device
+     statistic is read or reset (the caller's ``max_memory_allocated`` stays theirs).
+  4. Each routed backward runs the next candidate, round-robin: a real, exact backward, so nothing is wasted
+     but time. It is timed (CUDA: wall clock, the devices synchronised before and after; elsewhere the
+     process's CPU time). After two rounds, candidates slower than 1.25x the fastest are not run again; after
+     ``trials`` rounds the router keeps, for good, the fastest (median) whose estimated peak is within
+     ``memory_tolerance`` of the lowest. A candidate whose backward raised is never run again nor chosen.
+  5. A followed backward (``static_graph``: only once the choice is made) is never planned again. Planning is
+     under the router's lock; a trial records under the tuner's, so threads sharing a router may interleave.
 Under ``torch.distributed`` with several ranks, the ranks would time differently and could choose different
 plans: the router keeps its own options there.
 """
@@ -35,9 +33,11 @@ plans: the router keeps its own options there.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +71,10 @@ class Autotune:
             times the lowest candidate's.
         candidates: the plan options to try, first the one to keep while measuring is not possible; ``None``:
             :meth:`default_candidates` of the router's ``plan_options``.
+        keep_graph: also try one engine call per pass (``PlanOptions(split=False)``): fewer engine calls, but
+            where a pass is split it keeps the saved tensors of the nodes only its earlier, retaining calls ran
+            alive after ``backward`` for as long as the losses are referenced (a logging list of losses keeps
+            them all). Off by default: the default candidates keep nothing.
 
     Example:
         >>> import torch, gradroute
@@ -83,6 +87,7 @@ class Autotune:
     trials: int = 3
     memory_tolerance: float = 0.1
     candidates: tuple[PlanOptions, ...] | None = None
+    keep_graph: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.trials, bool) or not isinstance(self.trials, int):
@@ -94,6 +99,8 @@ class Autotune:
             raise TypeError(f"`memory_tolerance` must be a number, got {type(tol).__name__}")
         if not tol >= 0:
             raise ValueError(f"`memory_tolerance` must be at least 0, got {tol}")
+        if not isinstance(self.keep_graph, bool):
+            raise TypeError(f"`keep_graph` must be a bool, got {type(self.keep_graph).__name__} ({self.keep_graph!r})")
         if self.candidates is not None:
             cands = tuple(self.candidates) if isinstance(self.candidates, (list, tuple)) else None
             if not cands or not all(isinstance(c, PlanOptions) for c in cands):
@@ -103,13 +110,14 @@ class Autotune:
             object.__setattr__(self, "candidates", cands)
 
     @staticmethod
-    def default_candidates(base: PlanOptions) -> tuple[PlanOptions, ...]:
+    def default_candidates(base: PlanOptions, *, keep_graph: bool = False) -> tuple[PlanOptions, ...]:
         """The plan options :class:`gradroute.Autotune` tries by default, ``base`` first; every one is exact.
 
         ``base``; every shared segment recomputed once per engine call (``held_factor=0``, as torch's checkpoint);
         chunks 4x larger; one chunk per segment; no cuts inside segments with one shared recomputation held
         through the whole backward (``interleave=False``, ``held_factor=inf``: fewest engine calls, most held);
-        tensors remade in every segment; in none; one engine call per pass (``split=False``).
+        tensors remade in every segment; in none; with ``keep_graph``, one engine call per pass
+        (``split=False``, which may keep saved tensors alive after the backward).
 
         Example:
             >>> import gradroute
@@ -125,8 +133,9 @@ class Autotune:
             dataclasses.replace(base, interleave=False, held_factor=math.inf),
             dataclasses.replace(base, remake_min_bytes=0),
             dataclasses.replace(base, remake_min_bytes=_HUGE),
-            dataclasses.replace(base, split=False),
         ]
+        if keep_graph:
+            out.append(dataclasses.replace(base, split=False))
         return tuple(dict.fromkeys(out))
 
 
@@ -134,11 +143,9 @@ class Autotune:
 class _Candidate:
     options: PlanOptions
     times: list[float] = field(default_factory=list)
-    peak: int = 0  # the most seen (CUDA) or the estimate
-    measured: bool = False
+    peak: int = 0  # the estimate
     dropped: bool = False
     failed: bool = False  # its routed backward raised (out of memory, say): never run again nor chosen
-    walks: list[float] = field(default_factory=list)  # of each of ``times``: the walk its plan pays per backward
 
 
 @dataclass(eq=False)
@@ -165,27 +172,26 @@ class _State:
     def next(self) -> int:
         return self.chosen if self.chosen is not None else self.queue[0]
 
-    def record(self, k: int, seconds: float, peak: int | None, held: int, walk: float = 0.0) -> None:
-        """Candidate ``k``'s routed backward took ``seconds``, plus ``walk`` for the graph walk its plan needs on
-        every backward (where others' plans need none)."""
+    def record(self, k: int, seconds: float, held: int) -> None:
+        """Candidate ``k``'s routed backward took ``seconds``."""
         c = self.cands[k]
-        c.times.append(seconds + walk)
-        c.walks.append(walk)
-        if peak is None:
-            c.peak = self.resident + max(held, self.largest)
-        else:  # measured: replaces the estimate it started with
-            c.peak, c.measured = (max(c.peak, peak) if c.measured else peak), True
-        self._next()
+        c.times.append(seconds)
+        c.peak = self.resident + max(held, self.largest)
+        self._done(k)
 
     def fail(self, k: int) -> None:
         """Candidate ``k``'s routed backward raised: it is not run again (the router's own options, ``k`` 0, are
         what it runs without tuning: a failure there is the caller's)."""
         if k:
             self.cands[k].failed = self.cands[k].dropped = True
-        self._next()
+        self._done(k)
 
-    def _next(self) -> None:
-        self.queue.pop(0)
+    def _done(self, k: int) -> None:
+        """A trial of candidate ``k`` ended (threads sharing a router may end trials out of order, or two of
+        one candidate: a candidate leaves the round's queue once)."""
+        if self.chosen is not None or k not in self.queue:
+            return
+        self.queue.remove(k)
         if not self.queue:
             self._round_done()
 
@@ -213,12 +219,9 @@ class _State:
         rows = []
         for k, c in enumerate(self.cands):
             ms = f"{statistics.median(c.times) * 1e3:.2f} ms" if c.times else "not run yet"
-            if any(c.walks):
-                ms += f" ({statistics.median(c.walks) * 1e3:.2f} ms of it the walk)"
-            what = "measured" if c.measured else "estimated"
             mark = " (failed)" if c.failed else " (dropped: slow)" if c.dropped else ""
             mark = " <- chosen" if k == self.chosen else mark
-            rows.append(f"  #{k} {_short(c.options)}: {ms}, peak {_size(c.peak)} ({what}){mark}")
+            rows.append(f"  #{k} {_short(c.options)}: {ms}, peak {_size(c.peak)} (estimated){mark}")
         if self.chosen is None:
             done = sum(len(c.times) for c in self.cands)
             head = f"autotune: measuring {len(self.cands)} candidate plans ({done} routed backwards so far)"
@@ -244,17 +247,7 @@ def _short(o: PlanOptions) -> str:
     return "PlanOptions(" + ", ".join(parts) + ")"
 
 
-class _NoTrial:
-    """The context of a routed backward that is not measured: does nothing."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_NO_TRIAL = _NoTrial()
+_NO_TRIAL = contextlib.nullcontext()
 
 
 class _Trial:
@@ -264,8 +257,8 @@ class _Trial:
     process's CPU time: what the backward costs, all threads, whatever else the machine runs meanwhile.
     """
 
-    def __init__(self, state: _State, k: int, program: Program, walk: float) -> None:
-        self.state, self.k, self.held, self.walk = state, k, program.planned.held, walk
+    def __init__(self, tuner: Tuner, state: _State, k: int, program: Program) -> None:
+        self.tuner, self.state, self.k, self.held = tuner, state, k, program.planned.held
         self.devices = sorted({t.device for r in program.routes for t in r.losses if t.is_cuda}, key=str)
         self.clock = time.perf_counter if self.devices else time.process_time
         self.start = 0.0
@@ -273,18 +266,18 @@ class _Trial:
     def __enter__(self) -> None:
         for d in self.devices:
             torch.cuda.synchronize(d)
-            torch.cuda.reset_peak_memory_stats(d)
         self.start = self.clock()
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is not None:
-            self.state.fail(self.k)
-            return
-        for d in self.devices:
-            torch.cuda.synchronize(d)
+        if exc_type is None:
+            for d in self.devices:
+                torch.cuda.synchronize(d)
         seconds = self.clock() - self.start
-        peak = sum(torch.cuda.max_memory_allocated(d) for d in self.devices) if self.devices else None
-        self.state.record(self.k, seconds, peak, self.held, self.walk)
+        with self.tuner.lock:
+            if exc_type is not None:
+                self.state.fail(self.k)
+            else:
+                self.state.record(self.k, seconds, self.held)
 
 
 class Tuner:
@@ -294,13 +287,14 @@ class Tuner:
         self.settings = settings
         self.checkpoints = checkpoints  # the planner's view of gradroute.checkpoint segments
         self.states: dict[tuple, list[_State]] = {}
-        self._trial: _Trial | _NoTrial = _NO_TRIAL
+        self.lock = threading.Lock()  # the states, which trials in other threads update
         self._last: _State | None = None
 
     @property
     def measuring(self) -> bool:
         """Whether some graph seen is still being measured."""
-        return any(s.chosen is None for states in self.states.values() for s in states)
+        with self.lock:
+            return any(s.chosen is None for states in self.states.values() for s in states)
 
     def program(
         self,
@@ -309,41 +303,36 @@ class Tuner:
         routes: Sequence[Route],
         make: Callable[..., Program],
         *,
-        follows: bool = False,
-    ) -> Program:
-        """The program to run now for ``routes``: ``make(options)`` with the chosen or next candidate's options
-        (``make(options, graph)`` plans a graph already walked).
+        measure: bool = True,
+    ) -> tuple[Program, Any]:
+        """The program to run now for ``routes``, and the context to run it in (a trial while its graph is being
+        measured and ``measure``: a routed backward, not a plan).
 
-        ``key`` names the call shape (``base`` is part of it); the next :meth:`trial` measures this program.
-        ``follows``: once measured, backwards of a plan right on any graph follow its paths instead of walking
-        (NOTE [Following without a promise] in ``_planner/cache.py``): the walk is counted in the times of the
-        other candidates.
+        ``make(options)`` walks (or follows) and plans; ``make(options, graph)`` plans a graph already walked.
+        ``key`` names the call shape (``base`` is part of it). The graph is walked once, planned with the
+        options of the call shape's latest signature's candidate, then, where its own signature's tuning wants
+        other options, planned again on the same walked graph (rule 3).
         """
-        states = self.states.get(key)
-        state = states[0] if states else None
-        options = state.cands[state.next()].options if state else base
+        with self.lock:
+            states = self.states.get(key)
+            state = states[0] if states else None
+            options = state.cands[state.next()].options if state else base
         program = make(options)
-        walk = program.walked or 0.0
+        if program.graph.followed:  # only once the choice is made: never planned again (rule 5)
+            return program, _NO_TRIAL
         sig = program.graph.signature
-        if state is None or (sig is not state.signature and sig != state.signature):
-            state = self._state(key, base, routes, program, make)
-            want = state.cands[state.next()].options
-            if want != options:
-                program = make(want, program.graph)  # the same graph: not walked again
-        else:
-            state.signature = sig  # the cached list from now on: compared by identity
-        if state.chosen is not None:
-            self._trial = _NO_TRIAL
-        else:
-            walks = follows and program.planned.any_graph is None
-            self._trial = _Trial(state, state.next(), program, walk if walks else 0.0)
+        with self.lock:
+            if state is None or (sig is not state.signature and sig != state.signature):
+                state = self._state(key, base, routes, program, make)
+            else:
+                state.signature = sig  # the cached list from now on: compared by identity
+            k = state.next()
+        if state.cands[k].options != options:
+            program = make(state.cands[k].options, program.graph)  # the same graph: not walked again
         self._last = state
-        return program
-
-    def trial(self) -> _Trial | _NoTrial:
-        """The context to run the program last returned in (measures it while tuning); use it once."""
-        trial, self._trial = self._trial, _NO_TRIAL
-        return trial
+        if state.chosen is not None or not measure:
+            return program, _NO_TRIAL
+        return program, _Trial(self, state, k, program)
 
     def describe(self) -> str | None:
         """What the tuning of the graph of the program last returned chose or measured so far."""
@@ -359,7 +348,9 @@ class Tuner:
                 states.insert(0, states.pop(k))
                 return s
         st = self.settings
-        options = st.candidates if st.candidates is not None else Autotune.default_candidates(base)
+        options = (
+            st.candidates if st.candidates is not None else Autotune.default_candidates(base, keep_graph=st.keep_graph)
+        )
         why_not = _why_not(first, self.checkpoints)
         resident = largest = 0
         if why_not:
@@ -369,7 +360,7 @@ class Tuner:
             largest = max(_shared_segments(first, self.checkpoints).values(), default=0)
             if st.candidates is None and not largest and not first.planned.per_call:
                 # no checkpoint segment shared: only splitting can differ (not planned for the others at all)
-                options = tuple(dict.fromkeys((base, dataclasses.replace(base, split=False))))
+                options = tuple(o for o in options if o == base or not o.split)
             # estimated peaks first: a candidate that would hold too much is not even tried (no OOM while tuning),
             # except the first, which is what the router runs without tuning
             held = _distinct(options, lambda o: make(o, first.graph), self.checkpoints)

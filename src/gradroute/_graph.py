@@ -38,7 +38,7 @@ class Graph:
             given parameters, by identity) as a list: two graphs with equal signatures get the same plan.
         freed: the id of a node whose saved tensors an earlier backward released, or None (see
             :func:`walk`); a graph with one cannot be run.
-        located: only the nodes a cached plan needs are known (``_locate.located``): ``nodes`` holds None
+        followed: only the nodes a cached plan needs are known (``_planner.follow``): ``nodes`` holds None
             elsewhere and ``succ``, ``index`` and ``kinds`` are empty. Nothing can be planned on it.
     """
 
@@ -48,7 +48,7 @@ class Graph:
     signature: list
     kinds: set[type]
     freed: int | None = None
-    located: bool = False
+    followed: bool = False
     edges: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
 

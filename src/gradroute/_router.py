@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import gc
-import operator
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,12 +16,12 @@ from ._autotune import Autotune, Tuner
 from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, has_dtensor, live_params
 from ._execute import GraphFreedError, execute, freed_message, undoable
-from ._graph import Graph, reaches, root_node
+from ._graph import reaches, root_node
 from ._group import Group, GroupLike
 from ._options import PlanOptions
-from ._planner import Checkpoints, Plan, PlanCache, Planned, Program, build, refuse_reentrant
+from ._planner import Checkpoints, Plan, PlanCache, Program, StaticGraph, build, refuse_reentrant
 from ._step import Stepper, StepStats
-from ._types import Route
+from ._types import GraphCounts, Route
 
 LossLike = torch.Tensor | Sequence[torch.Tensor]
 
@@ -72,20 +69,14 @@ class Router:
             into several engine calls, have more than one candidate; :meth:`plan` says what was chosen.
             ``False``: always ``plan_options``.
         static_graph: promise that the losses' autograd graph has the same structure on every backward with
-            the same group names (as DDP's ``static_graph``): from the third such backward after the measured
-            choice (``autotune``) is done with the graph, the router no longer walks the whole graph (about a
-            microsecond per node, the largest fixed cost of a routed backward when tensors are small) but
-            follows the paths to the few nodes its plan starts from, checking each node's class on the way.
-            ``True`` walks and checks the whole graph again on every 100th backward, an int ``n`` on every
-            ``n``-th; a graph found changed raises RuntimeError before any ``.grad`` is touched. A change off
-            those paths between two checks goes unseen, and routes wrong gradients unless the plan is exact on
-            any graph: one engine call per group that captures nothing, every call but the last retaining
-            (those calls then backpropagate into all of their group's parameters). ``None`` (the default)
-            makes no promise: the graph is walked on every backward, except where 8 walks in a row found the
-            same graph and its plan is exact on any graph; backwards from empty gradients then follow the
-            paths and walk once every 32, and a changed graph is planned anew, not refused. Not under DDP or
-            FSDP2. ``False`` walks on every backward.
-            See the README's "Static graphs".
+            the same group names (as DDP's ``static_graph``). ``False`` (the default) walks the whole graph on
+            every backward (about a microsecond per node), so every backward is exact whatever changed.
+            ``True``: from the third such backward after the measured choice is done with the graph, backwards
+            follow the paths to the few nodes the plan starts from instead, checking each node's class on the
+            way, and walk and check the whole graph on every 100th backward (an int ``n``: every ``n``-th); a
+            graph found changed raises RuntimeError before any ``.grad`` is touched. A change off those paths
+            between two checks goes unseen and can route wrong gradients. Not under DDP or FSDP2. See the
+            README's "Static graphs" and :attr:`graph_counts`.
         **named_groups: groups by keyword.
 
     Example:
@@ -112,7 +103,7 @@ class Router:
         atomic_step: bool = True,
         accelerator: Any = None,
         autotune: bool | Autotune = True,
-        static_graph: bool | int | None = None,
+        static_graph: bool | int = False,
         **named_groups: GroupLike,
     ) -> None:
         specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
@@ -137,12 +128,11 @@ class Router:
         else:
             raise TypeError(f"`autotune` must be a bool or a gradroute.Autotune, got {type(autotune).__name__}")
         self._tuner = None if settings is None else Tuner(settings, _CHECKPOINTS)
-        # room for every candidate's program of two call shapes
-        self._cache = PlanCache(
-            size=8 if settings is None else 16,
-            static_graph=_check_static_graph(static_graph),
-            follow=_FOLLOW_WALK_EVERY if static_graph is None else 0,
-        )
+        every = _check_static_graph(static_graph)
+        self._static = StaticGraph(every) if every else None
+        self._cache = PlanCache(size=8 if settings is None else 16)  # every candidate's program of two call shapes
+        self._lock = threading.Lock()  # one thread plans at a time (the cache and the tuner's state)
+        self._walked = self._followed = 0
         self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
         if self._accelerator is not None:
             scaler = self._accelerator.scaler
@@ -181,6 +171,11 @@ class Router:
     def groups(self) -> Mapping[str, Group]:
         """The groups, by name."""
         return dict(self._groups)
+
+    @property
+    def graph_counts(self) -> GraphCounts:
+        """How this router's routed backwards met their graphs so far (:class:`gradroute.GraphCounts`)."""
+        return GraphCounts(walked=self._walked, followed=self._followed, planned=self._cache.misses)
 
     def backward(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> None:
         """Accumulate each loss's gradient into its own group's ``.grad`` (exact, one forward, no retain).
@@ -228,9 +223,8 @@ class Router:
     def plan(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> Plan:
         """What :meth:`backward` would do with these losses; nothing is run. ``print(plan)`` shows a table."""
         routes = self._routes(losses, named_losses, "plan")
-        with _collector_paused():
-            program = self._program(routes, merge_shared=True)
-        self._trial()  # nothing runs: no measurement
+        with self._lock:
+            program, _ = self._program(routes, merge_shared=True)
         plan = _with_other_groups(
             program, {n: g.params for n, g in self._groups.items() if n not in program.plan.reach}
         )
@@ -330,28 +324,29 @@ class Router:
         routed backward])."""
         # a backward whose writes can be undone needs no freed probe (NOTE [Undoing a failed routed backward])
         undo = accumulate and not self._sharded and not self._stepper.distributed() and undoable(routes)
-        with _collector_paused():
-            program = self._program(routes, merge_shared=accumulate, backward=True, probe=accumulate and not undo)
-            with self._trial():
-                try:
-                    out = execute(
-                        program,
-                        accumulate=accumulate,
-                        remake_min_bytes=program.options.remake_min_bytes,
-                        watch=_checkpoint.maybe_live(),
-                        undo=undo,
-                    )
-                except Exception as e:
-                    if program.graph.located:  # followed, not walked: the next backward walks; name the cause
-                        self._cache.recheck()
-                        self._refuse_reentrant(routes, e)
-                    raise
-            followed = program.planned if program.graph.located else None
-            options = program.options  # the measured choice's: the walk below finds this plan's cache entry
-            del program  # before the collector resumes (NOTE [The cycle collector and the routed backward])
-        if followed is not None and self._cache.follow:
-            self._check_followed(routes, out, followed, options, accumulate=accumulate)
-        return out
+        with self._lock:
+            program, trial = self._program(
+                routes, merge_shared=accumulate, backward=True, probe=accumulate and not undo
+            )
+            followed = program.graph.followed
+            if followed:
+                self._followed += 1
+            else:
+                self._walked += 1
+        with trial:
+            try:
+                return execute(
+                    program,
+                    accumulate=accumulate,
+                    remake_min_bytes=program.options.remake_min_bytes,
+                    watch=_checkpoint.maybe_live(),
+                    undo=undo,
+                )
+            except Exception as e:
+                if followed and self._static is not None:  # the next backward walks; name the cause
+                    self._static.recheck()
+                    self._refuse_reentrant(routes, e)
+                raise
 
     def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
         given = _merge_named(losses, named, "losses", "loss for group", "group name -> loss", what)
@@ -394,21 +389,21 @@ class Router:
 
     def _program(
         self, routes: list[Route], *, merge_shared: bool, backward: bool = False, probe: bool = True
-    ) -> Program:
-        """The program for ``routes``; ``backward``: for a routed backward (may follow paths), not a
-        :meth:`plan`; ``probe``: look for freed nodes while walking."""
+    ) -> tuple[Program, Any]:
+        """The program for ``routes`` and the context to run it in (a trial of the measured choice, or nothing);
+        ``backward``: for a routed backward (may follow a static graph's paths), not a :meth:`plan`; ``probe``:
+        look for freed nodes while walking. Called with ``_lock`` held."""
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
         # them: keep each pass through it in one call
         fsdp2 = bool(self._sharded) and fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
         options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
+        # a static graph is followed once nothing is being measured, and never under DDP or FSDP2 (their hooks
+        # expect the plan's parameters): NOTE [Static graphs] in _planner/follow.py
+        static = self._static
+        if not backward or self._sharded or self._stepper.distributed() or self.autotuning:
+            static = None
 
-        # a static graph is followed, not walked, once nothing is being measured (NOTE [Static graphs]); without
-        # the promise, a graph whose plan is right on any graph, not under DDP or FSDP2, and not where the walk
-        # must probe (gradients to add to: NOTE [Following without a promise] in _planner/cache.py)
-        follows = self._follows(backward=backward, probe=probe)
-        follow = backward and not self.autotuning and (bool(self._cache.static_graph) or follows)
-
-        def make(options: PlanOptions, graph: Graph | None = None) -> Program:
+        def make(options: PlanOptions, graph: Any = None) -> Program:
             return build(
                 routes,
                 merge_shared=merge_shared,
@@ -416,31 +411,21 @@ class Router:
                 cache=self._cache,
                 checkpoints=_CHECKPOINTS,
                 graph=graph,
-                follow=follow,
+                static=static,
                 backward=backward,
                 probe=probe,
             )
 
         if self._tuner is None:
-            program = make(options)
+            program, trial = make(options), _NOTHING
         else:
             shape = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
-            program = self._tuner.program(shape, options, routes, make, follows=follows)
+            program, trial = self._tuner.program(shape, options, routes, make, measure=backward)
         _check_not_freed(program)
         bad = [n for n in program.unreached if n not in self._allow_unreached]
         if bad:
             raise ValueError(self._unreached_message(bad[0]))
-        return program
-
-    def _follows(self, *, backward: bool, probe: bool) -> bool:
-        """Whether, without ``static_graph``, a backward may follow a graph whose plan is right on any graph."""
-        return (
-            backward
-            and not probe
-            and bool(self._cache.follow)
-            and not self._sharded
-            and not self._stepper.distributed()
-        )
+        return program, trial
 
     def _unreached_message(self, name: str) -> str:
         return (
@@ -448,49 +433,6 @@ class Router:
             "parameters (a stray .detach() or torch.no_grad()?); pass "
             f"Router(..., allow_unreached=[{name!r}]) if that is intended"
         )
-
-    def _check_followed(
-        self,
-        routes: list[Route],
-        out: list[dict[int, torch.Tensor]],
-        followed: Planned,
-        options: PlanOptions,
-        *,
-        accumulate: bool,
-    ) -> None:
-        """After a backward that followed paths without ``static_graph`` (no walk looked): where a parameter that
-        requires grad got no gradient, walk the graph and raise what the walk raises (a loss that reaches none
-        of its group's parameters, a reentrant checkpoint segment), with every routed ``.grad`` None again
-        (``accumulate``: all were before it, see ``_follows``; else ``out`` holds each route's gradients). A
-        set of such parameters that a walk of the followed graph found without error is not walked for again (a
-        custom ``autograd.Function`` may return None for an input it is connected to; a parameter may be
-        unused). The walk counts as the call shape's (``PlanCache.walked``): one that finds another graph stops
-        following until a graph has been walked ``_STREAK`` times in a row."""
-        missing = _no_gradient(routes, out, accumulate=accumulate)
-        if not missing or self._cache.no_gradient_seen(followed, missing):
-            return
-        try:
-            walked = build(
-                routes,
-                merge_shared=accumulate,
-                options=options,
-                cache=self._cache,
-                checkpoints=_CHECKPOINTS,
-                backward=True,
-                probe=False,
-            )
-            bad = [n for n in walked.unreached if n not in self._allow_unreached]
-            if bad:
-                raise ValueError(self._unreached_message(bad[0]))
-            if walked.planned is followed:  # the same graph: this set is what it gives
-                self._cache.saw_no_gradient(followed, missing)
-        except Exception:
-            if accumulate:
-                for route in routes:
-                    for p in route.params:
-                        p.grad = None
-            self._cache.recheck()
-            raise
 
     @staticmethod
     def _refuse_reentrant(routes: list[Route], error: Exception) -> None:
@@ -501,16 +443,12 @@ class Router:
         except ValueError as reentrant:
             raise reentrant from error
 
-    def _trial(self) -> Any:
-        """The context to run the program just built in: measures it while the tuner is measuring."""
-        return _NOTHING if self._tuner is None else self._tuner.trial()
-
     def _notes(self, program: Program) -> list[str]:
         """The plan printout's notes on what this router measured and on the graph's checkpointed and compiled
         parts (the measured choice's note last but for those two)."""
         nodes = program.graph.nodes
         notes = []
-        walked = self._cache.walk_note(program.planned, len(nodes), follows=self._follows(backward=True, probe=False))
+        walked = self._cache.walk_note(program.planned, len(nodes)) if self._static is None else None
         if walked:
             notes.append(walked)
         tuned = self._tuner.describe() if self._tuner is not None else None
@@ -531,87 +469,15 @@ class Router:
 _NOTHING = contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """No cycle collection from the graph walk until the program is dropped.
-
-    NOTE [The cycle collector and the routed backward]
-    The walk makes a Python object per autograd node and per edge list; all of them go when the program is
-    dropped. With the collector on, they would trigger collections while alive (each call promoting them to
-    older generations, which then get full collections every few calls: 0.1-1.7 ms per sd-tiny backward on
-    average); paused from the walk until the program is dropped, their allocations and frees cancel out and
-    the collector's counters end where they started. Cyclic garbage made meanwhile (by hooks, say) waits
-    for the next collection, as with any allocation.
-    The collector is process-wide and routers may run in several threads: the pauses are counted, and the
-    collector resumes when the last one ends, if it was on when the first began (a thread's end must not
-    turn it back on under another thread's walk).
-    """
-    _PAUSES.enter()
-    try:
-        yield
-    finally:
-        _PAUSES.exit()
-
-
-class _Pauses:
-    """The routed backwards under way in this process that keep the cycle collector paused."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()  # reentrant: a finalizer run by a collection may route a backward
-        self._count = 0
-        self._resume = False
-
-    def enter(self) -> None:
-        with self._lock:
-            if not self._count:
-                self._resume = gc.isenabled()
-                gc.disable()
-            self._count += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._count -= 1
-            if not self._count and self._resume:
-                gc.enable()
-
-
-_PAUSES = _Pauses()
-
-
-_FOLLOW_WALK_EVERY = 32  # without static_graph: every how many backwards a followed graph is walked
-
-
 def _check_static_graph(value: Any) -> int:
     """``static_graph`` as every how many backwards the whole graph is checked (0: no promise)."""
-    if value is None:
-        return 0
     if isinstance(value, bool):
         return 100 if value else 0
     if not isinstance(value, int):
-        raise TypeError(f"`static_graph` must be None, a bool or an int, got {type(value).__name__} ({value!r})")
+        raise TypeError(f"`static_graph` must be a bool or an int, got {type(value).__name__} ({value!r})")
     if value < 1:
-        raise ValueError(
-            f"`static_graph` must be None, True, False or an int >= 1 (check every n-th backward), got {value}"
-        )
+        raise ValueError(f"`static_graph` must be True, False or an int >= 1 (check every n-th backward), got {value}")
     return value
-
-
-def _no_gradient(routes: Sequence[Route], out: list[dict[int, torch.Tensor]], *, accumulate: bool) -> frozenset[int]:
-    """The ids of the routed parameters that require grad and got none (``accumulate``: their ``.grad`` is None,
-    as all were before; else not in their route's ``out``)."""
-    missing: list[int] = []
-    for k, route in enumerate(routes):
-        params = route.params
-        if accumulate:
-            if any(map(_is_none, map(_grad, params))):
-                missing += (id(p) for p in params if p.grad is None and p.requires_grad)
-        elif len(out[k]) < len(params):
-            missing += (id(p) for p in params if id(p) not in out[k] and p.requires_grad)
-    return frozenset(missing)
-
-
-_grad = operator.attrgetter("grad")
-_is_none = functools.partial(operator.is_, None)
 
 
 def _check_allow_unreached(value: Any, groups: Mapping[str, Group]) -> set[str]:
@@ -681,6 +547,6 @@ def _check_not_freed(program: Program) -> None:
     if g.freed is None:
         return
     names = [r.name for r in program.routes]
-    if not g.located:  # a located graph has no edges to search
+    if not g.followed:  # a followed graph has no edges to search
         names = [r.name for r in program.routes if reaches(g, [g.index[root_node(t)] for t in r.losses], g.freed)]
     raise GraphFreedError(freed_message(names))

@@ -20,3 +20,29 @@ class Route:
     name: str
     losses: tuple[torch.Tensor, ...]
     params: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class GraphCounts:
+    """How a router's routed backwards (``backward`` and ``grads``) met their graphs so far.
+
+    Attributes:
+        walked: routed backwards that walked the losses' whole autograd graph (all of them, by default).
+        followed: routed backwards that followed the paths recorded for a static graph instead
+            (``Router(static_graph=True)``).
+        planned: graphs analysed: a graph not seen before, or seen with other plan options (the measured
+            choice plans each candidate once); a graph seen again reuses its analysis.
+
+    Example:
+        >>> import torch, gradroute
+        >>> net = torch.nn.Linear(2, 2)
+        >>> router = gradroute.Router(net=net)
+        >>> for _ in range(3):
+        ...     router.backward(net=net(torch.randn(4, 2)).sum())
+        >>> router.graph_counts
+        GraphCounts(walked=3, followed=0, planned=1)
+    """
+
+    walked: int = 0
+    followed: int = 0
+    planned: int = 0

@@ -13,13 +13,14 @@ planner] in ``build.py``):
 * ``per_call.py`` -- the checkpoint segments better recomputed once per call;
 * ``describe.py`` -- the public :class:`Plan` (``plan.py``);
 * ``build.py`` runs the steps; ``program.py`` walks the graph (or follows a static one's paths) and makes the
-  program; ``cache.py`` keeps the analyses, and a static graph's paths.
+  program; ``cache.py`` keeps the analyses; ``follow.py`` holds everything about following a static graph.
 
 Nothing here imports the checkpoint module: its segments come in through :class:`Checkpoints`.
 """
 
 from .build import NO_CHECKPOINTS, Checkpoints, Planned, analyse
 from .cache import PlanCache
+from .follow import StaticGraph
 from .plan import Call, Plan, Wiring
 from .program import Program, build, refuse_reentrant
 
@@ -31,6 +32,7 @@ __all__ = [
     "PlanCache",
     "Planned",
     "Program",
+    "StaticGraph",
     "Wiring",
     "analyse",
     "build",

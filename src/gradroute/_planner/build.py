@@ -66,7 +66,7 @@ class Planned:
         leaf_routes: leaf node id -> the routes whose losses reach it (for the reach of groups not routed).
         held: the most bytes of shared checkpoint recomputations alive at once between calls (``PerCall.held``).
         any_graph: per call, its route, where the plan is exact on any graph once each call backpropagates
-            into all of its route's parameters (``_any_graph``; NOTE [Static graphs] in ``cache.py``); else None.
+            into all of its route's parameters (``_any_graph``; NOTE [Static graphs] in ``follow.py``); else None.
     """
 
     plan: Plan
@@ -145,7 +145,7 @@ def _any_graph(plan: Plan, per_call: Sequence[int], loss_counts: Sequence[int]) 
     into all of its route's parameters: every call starts from all the losses of one route (and of no other),
     captures no gradient edge and resumes from none, every route has a call, no segment is recomputed per
     call, and every call but the last retains the graph (on another graph a later call may need the nodes of
-    an earlier one that this graph's plan lets free). Else None (NOTE [Static graphs])."""
+    an earlier one that this graph's plan lets free). Else None (NOTE [Static graphs] in ``follow.py``)."""
     if per_call or not all(call.retain for call in plan.calls[:-1]):
         return None
     out = []

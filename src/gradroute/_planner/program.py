@@ -1,5 +1,5 @@
-"""The planner's entry: walk the losses' graph (or follow the paths of one walked before), reuse or make the
-analysis, and hand the executor a program."""
+"""The planner's entry: walk the losses' graph (or, under ``static_graph``, follow the paths of one walked before),
+reuse or make the analysis, and hand the executor a program."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.autograd.graph import Node
 
 from .._graph import Graph, root_node, walk
 from .._options import PlanOptions
 from .._types import Route
 from .build import NO_CHECKPOINTS, Checkpoints, Planned, analyse
 from .cache import PlanCache, param_marks
+from .follow import StaticGraph
 from .plan import Plan
 
 
@@ -27,10 +27,10 @@ class Program:
         graph: the losses' graph.
         routes: the routes, in the caller's order.
         options: the options it was planned with (the executor reads ``remake_min_bytes``).
-        targets: per call, the parameters it accumulates into, when known already (a static graph's); else
+        targets: per call, the parameters it accumulates into, when known already (a followed graph's); else
             the executor reads them off ``graph.leaf``.
-        target_routes: per call, the route of each of ``targets``, where they are not the plan's (a static
-            graph's plan that is right on any graph: NOTE [Static graphs]).
+        target_routes: per call, the route of each of ``targets``, where they are not the plan's (a followed
+            graph's plan that is exact on any graph: NOTE [Static graphs] in ``follow.py``).
         walked: the seconds that walking ``graph`` took in this ``build``; None where it was not walked here.
     """
 
@@ -60,7 +60,7 @@ def build(
     cache: PlanCache | None = None,
     checkpoints: Checkpoints = NO_CHECKPOINTS,
     graph: Graph | None = None,
-    follow: bool = False,
+    static: StaticGraph | None = None,
     backward: bool = False,
     probe: bool = True,
 ) -> Program:
@@ -78,85 +78,66 @@ def build(
         checkpoints: the live ``gradroute.checkpoint`` segments and their sizes.
         graph: the graph of these same ``routes`` from an earlier ``build`` (planned again with other
             ``options``: the measured choice), so that it is not walked again.
-        follow: this backward may follow the paths of a graph walked before instead of walking (needs a
-            ``cache`` made with ``static_graph``, NOTE [Static graphs] in ``cache.py``, or with ``follow``, NOTE
-            [Following without a promise] there).
+        static: under ``Router(static_graph=...)``, the recorded graphs: this backward may follow the paths of
+            one instead of walking, and a walk that finds another graph raises (NOTE [Static graphs] in
+            ``follow.py``). None: walk.
         backward: this is a routed backward (not ``Router.plan``): its walk is timed for the plan printout
             (``PlanCache.walk_note``).
         probe: look for nodes freed by an earlier backward while walking (``_graph.walk``).
 
     Raises:
         ValueError: the graph holds a reentrant ``torch.utils.checkpoint`` segment.
-        RuntimeError: with ``follow`` and ``static_graph``, the graph differs from the one confirmed for this call
-            shape.
+        RuntimeError: with ``static``, the graph differs from the one recorded for this call shape.
     """
     route_roots = [[root_node(t) for t in r.losses] for r in routes]
     roots = [n for nodes in route_roots for n in nodes]
     options = options or PlanOptions()
     key = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
-    follow = follow and cache is not None and bool(cache.static_graph or cache.follow) and graph is None
-    confirmed = None
-    if follow and cache is not None:
-        followed = _followed(cache, key, roots, routes, options)
+    marks, by_mark = cache.marks(routes) if cache is not None else (param_marks(routes), [])
+    if static is not None and graph is None:
+        followed = static.follow(key, roots, routes, by_mark)
         if followed is not None:
-            return followed
-        confirmed = cache.confirmed(key) if cache.static_graph else None
-    marks = cache.marks(routes)[0] if cache is not None else param_marks(routes)
+            return Program(
+                followed.planned,
+                followed.graph,
+                routes,
+                options,
+                targets=followed.targets,
+                target_routes=followed.target_routes,
+            )
     start = time.perf_counter()
     g = walk(roots, marks, probe=probe) if graph is None else graph
     seconds = time.perf_counter() - start if graph is None else None
-    walked = seconds if backward else None
     _refuse_reentrant(g)
-    if confirmed is not None and not (confirmed.signature is g.signature or confirmed.signature == g.signature):
+    if static is not None and static.changed(key, g.signature):
         raise RuntimeError(_changed(routes))
     hit = cache.lookup(key, g.signature) if cache is not None else None
     if hit is not None:
         g.signature = hit.signature  # equal; the cached list, so that callers can tell the entry by identity
-        if walked is not None and cache is not None:
-            cache.walked(key, hit, walked)
-        if follow and cache is not None:
-            cache.confirm(hit, g, route_roots)
-        return Program(hit.planned, g, routes, options, walked=seconds)
-    root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
-    planned = analyse(
-        g,
-        [r.name for r in routes],
-        [r.params for r in routes],
-        root_ids,
-        merge_shared=merge_shared,
-        options=options,
-        checkpoints=checkpoints,
-    )
+        planned = hit.planned
+    else:
+        root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
+        planned = analyse(
+            g,
+            [r.name for r in routes],
+            [r.params for r in routes],
+            root_ids,
+            merge_shared=merge_shared,
+            options=options,
+            checkpoints=checkpoints,
+        )
     if cache is not None:
-        entry = cache.store(key, g.signature, planned)
-        if walked is not None:
-            cache.walked(key, entry, walked)
+        entry = hit if hit is not None else cache.store(key, g.signature, planned)
+        if backward and seconds is not None:
+            cache.walked(key, entry, seconds)
+    if static is not None and hit is not None and backward:
+        static.walked(key, g, planned, route_roots)
     return Program(planned, g, routes, options, walked=seconds)
-
-
-def _followed(
-    cache: PlanCache, key: tuple, roots: Sequence[Node], routes: Sequence[Route], options: PlanOptions
-) -> Program | None:
-    """The program of a backward that follows the recorded paths (NOTE [Static graphs] in
-    ``cache.py``), or None where this backward walks: the periodic check, or a node on the paths changed."""
-    entry = cache.to_follow(key)
-    if entry is None:
-        return None
-    found = cache.locate(entry, roots, routes)
-    if found is None:
-        return None
-    found_targets = cache.targets(entry, routes)
-    if found_targets is None:
-        return None
-    targets, target_routes = found_targets
-    cache.located += 1
-    return Program(entry.planned, found, routes, options, targets=targets, target_routes=target_routes)
 
 
 def refuse_reentrant(routes: Sequence[Route]) -> None:
     """Walk the graph of ``routes`` (without the freed probe) and raise the walk's ValueError if it holds a
-    reentrant ``torch.utils.checkpoint`` segment: a backward that followed paths did not look (NOTE [Following
-    without a promise] in ``cache.py``)."""
+    reentrant ``torch.utils.checkpoint`` segment: a backward that followed paths did not look."""
     _refuse_reentrant(walk([root_node(t) for r in routes for t in r.losses], param_marks(routes), probe=False))
 
 

@@ -115,9 +115,7 @@ def _add_bench(sub: Any) -> None:
     )
     bench.add_argument(
         "--static-graph",
-        action="store_const",
-        const=True,
-        default=None,
+        action="store_true",
         help="every gradroute strategy with a Router(static_graph=True) of its own (the graph walked on the "
         "first two backwards and every 100th only)",
     )

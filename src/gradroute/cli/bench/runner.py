@@ -19,7 +19,7 @@ from .strategies import STRATEGY_FNS
 class Runner:
     """A workload with its router and precision: runs one step (forward + backward) of a strategy."""
 
-    def __init__(self, wl: Workload, dtype: str, static_graph: bool | None = None) -> None:
+    def __init__(self, wl: Workload, dtype: str, static_graph: bool = False) -> None:
         self.wl = wl
         self.dtype = dtype
         self.device = next(wl.up_module.parameters()).device

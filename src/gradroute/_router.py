@@ -329,10 +329,6 @@ class Router:
                 routes, merge_shared=accumulate, backward=True, probe=accumulate and not undo
             )
             followed = program.graph.followed
-            if followed:
-                self._followed += 1
-            else:
-                self._walked += 1
         with trial:
             try:
                 return execute(
@@ -421,6 +417,11 @@ class Router:
         else:
             shape = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
             program, trial = self._tuner.program(shape, options, routes, make, measure=backward)
+        if backward:
+            if program.graph.followed:
+                self._followed += 1
+            else:
+                self._walked += 1
         _check_not_freed(program)
         bad = [n for n in program.unreached if n not in self._allow_unreached]
         if bad:

@@ -295,6 +295,47 @@ def test_saved_tensors_released_while_losses_held():
     assert losses["tenc"].requires_grad  # the caller still holds the losses
 
 
+def _probe_gan():
+    """A generator and a discriminator; probed tensors saved on the real images' path (the discriminator's pass only)
+    and below the fakes (the generator's pass only)."""
+    gen, disc = mlp(3, 4), mlp(4, 1)
+    z, real = torch.randn(6, 3, dtype=D), torch.randn(6, 4, dtype=D)
+
+    def forward():
+        fake = _SaveProbe.apply(gen(z))
+        d_real = disc(_SaveProbe.apply(real + 0))  # the real images' activations: the discriminator's pass only
+        d_fake = disc(fake)
+        loss_d = nn.functional.softplus(d_fake).mean() + nn.functional.softplus(-d_real).mean()
+        return {"gen": nn.functional.softplus(-d_fake).mean(), "disc": loss_d}
+
+    return {"gen": list(gen.parameters()), "disc": list(disc.parameters())}, forward
+
+
+def _probe_sd():
+    tenc, unet, forward = _probe_chain()
+    return {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}, forward
+
+
+@pytest.mark.parametrize("keep_graph", [False, True])
+@pytest.mark.parametrize("make", [_probe_sd, _probe_gan], ids=["sd", "gan"])
+def test_default_keeps_nothing_alive_while_a_logging_list_holds_every_loss(make, keep_graph):
+    # through the measured choice's trials and after: what a routed backward leaves must not outlive it while the
+    # caller holds the losses; Autotune(keep_graph=True) may (one engine call per pass), and says so
+    groups, forward = make()
+    router = gradroute.Router(groups, autotune=gradroute.Autotune(trials=2, keep_graph=keep_graph))
+    held, alive_steps = [], []
+    for step in range(10):
+        _SaveProbe.refs.clear()
+        losses = forward()
+        held.append(losses)
+        router.backward(**losses)
+        router.zero_grad()
+        gc.collect()
+        if any(r() is not None for r in _SaveProbe.refs):
+            alive_steps.append(step)
+    assert (alive_steps == []) != keep_graph, alive_steps
+
+
 def test_whole_retained_passes_would_keep_tensors_alive():
     """The reason for cutting: the textbook pruned passes keep nodes only the first pass visits."""
     tenc, unet, forward = _probe_chain()

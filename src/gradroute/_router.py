@@ -32,6 +32,19 @@ _CHECKPOINTS = Checkpoints(
 )
 
 
+# NOTE [Exact by default]
+# What makes every routed backward of a default ``Router`` exact, whatever the sequence of graphs:
+#   1. Every backward walks its losses' whole graph (``static_graph`` is the user's promise and off by default).
+#   2. The plan is a function of the walked graph's signature; an analysis is reused only for an equal signature
+#      under the same call shape and options (``PlanCache``), and the executor takes its targets from the walked
+#      graph, never from a cache.
+#   3. The measured choice only chooses which options plan the walked graph; each option's plan is exact
+#      (``_planner``), its tuning is per signature, and a followed graph is never planned again.
+#   4. What a walk refuses (a loss that reaches none of its group, a reentrant segment, a freed graph) is refused
+#      before the first engine call; a failure in the engine is undone where every ``.grad`` was None.
+# Rules 1-3 make the gradients those of the plan for this very graph; rule 4 makes refusals immediate.
+
+
 class Router:
     """Routes each loss to its own parameter group: exact gradients from one forward, without ``retain_graph``.
 
@@ -65,9 +78,9 @@ class Router:
             (the scaler, schedulers and counters are still put back).
         autotune: measure the candidate plans of each new graph on its first routed backwards and keep the
             fastest within a memory tolerance (:class:`gradroute.Autotune`; ``True``: its defaults). Only graphs
-            with ``gradroute.checkpoint`` segments that several engine calls enter, or whose plan splits a pass
-            into several engine calls, have more than one candidate; :meth:`plan` says what was chosen.
-            ``False``: always ``plan_options``.
+            with ``gradroute.checkpoint`` segments that several engine calls enter have more than one default
+            candidate, and every default candidate keeps nothing alive after ``backward``; :meth:`plan` says
+            what was chosen. ``False``: always ``plan_options``.
         static_graph: promise that the losses' autograd graph has the same structure on every backward with
             the same group names (as DDP's ``static_graph``). ``False`` (the default) walks the whole graph on
             every backward (about a microsecond per node), so every backward is exact whatever changed.

@@ -123,8 +123,8 @@ class CompileStats:
         >>> import torch, gradroute
         >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
         >>> unet_c = gradroute.compile(unet, backend="aot_eager")
-        >>> loss = unet_c(tenc(torch.randn(2, 4))).sum()
-        >>> gradroute.Router(tenc=tenc, unet=unet).backward(tenc=loss, unet=loss)
+        >>> out = unet_c(tenc(torch.randn(2, 4)))
+        >>> gradroute.Router(tenc=tenc, unet=unet).backward(tenc=out.sum(), unet=out.pow(2).sum())
         >>> gradroute.compile_stats(unet_c).variants  # the input's gradient only; the weights' only
         2
     """

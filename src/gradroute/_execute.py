@@ -11,6 +11,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from ._compat import backward_hooks, engine_run_backward, grad_and_hooks
+from ._losses import group_names
 from ._options import PlanOptions
 from ._planner import Program
 from ._session import routed_backward
@@ -219,7 +220,8 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
                 )
             except RuntimeError as e:
                 if _FREED in str(e):
-                    raise GraphFreedError(freed_message(call.groups)) from e
+                    names = group_names([r for r in program.routes if r.name in call.groups])
+                    raise GraphFreedError(freed_message(names)) from e
                 raise
         finally:
             handoff.close()

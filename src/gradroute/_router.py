@@ -18,6 +18,7 @@ from ._distributed import fsdp2_unsharded, has_dtensor, live_params
 from ._execute import GraphFreedError, execute, freed_message, undoable
 from ._graph import reaches, root_node
 from ._group import Group, GroupLike
+from ._losses import group_names, merge_same_losses, unreached
 from ._options import PlanOptions
 from ._planner import Checkpoints, Plan, PlanCache, Program, StaticGraph, build, refuse_reentrant
 from ._step import Stepper, StepStats
@@ -146,6 +147,7 @@ class Router:
         self._cache = PlanCache(size=8 if settings is None else 16)  # every candidate's program of two call shapes
         self._lock = threading.Lock()  # one thread plans at a time (the cache and the tuner's state)
         self._walked = self._followed = 0
+        self._merged: dict[tuple[str, ...], tuple] = {}  # the parameters of groups routed one loss (``_losses``)
         self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
         if self._accelerator is not None:
             scaler = self._accelerator.scaler
@@ -215,9 +217,9 @@ class Router:
                 by an earlier backward; every ``.grad`` is then as it was (the README's "Guarantees").
         """
         check_backward(self._accelerator, self._stepper.accumulate)
-        routes = self._routes(losses, named_losses, "backward")
-        routes = self._stepper.before_backward(routes)
-        self._route(routes, accumulate=True)
+        original = self._routes(losses, named_losses, "backward")
+        routes = self._stepper.before_backward(original)
+        self._route(routes if self._sharded else merge_same_losses(original, routes, self._merged), accumulate=True)
         self._stepper.after_backward(routes)
 
     def grads(
@@ -236,11 +238,11 @@ class Router:
     def plan(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> Plan:
         """What :meth:`backward` would do with these losses; nothing is run. ``print(plan)`` shows a table."""
         routes = self._routes(losses, named_losses, "plan")
+        routes = routes if self._sharded else merge_same_losses(routes, routes, self._merged)
         with self._lock:
             program, _ = self._program(routes, merge_shared=True)
-        plan = _with_other_groups(
-            program, {n: g.params for n, g in self._groups.items() if n not in program.plan.reach}
-        )
+        named = {name for r in routes for name, _ in r.parts} | {r.name for r in routes}
+        plan = _with_other_groups(program, {n: g.params for n, g in self._groups.items() if n not in named})
         extra = self._notes(program)
         return dataclasses.replace(plan, notes=(*plan.notes, *extra)) if extra else plan
 
@@ -436,7 +438,7 @@ class Router:
             else:
                 self._walked += 1
         _check_not_freed(program)
-        bad = [n for n in program.unreached if n not in self._allow_unreached]
+        bad = [n for n in _unreached(program) if n not in self._allow_unreached]
         if bad:
             raise ValueError(self._unreached_message(bad[0]))
         return program, trial
@@ -461,7 +463,12 @@ class Router:
         """The plan printout's notes on what this router measured and on the graph's checkpointed and compiled
         parts (the measured choice's note last but for those two)."""
         nodes = program.graph.nodes
-        notes = []
+        notes = [
+            f"{', '.join(f'`{n}`' for n, _ in r.parts)} are routed the same loss: one plain backward into all of "
+            f"their parameters gives each its exact gradient (routed as one group, `{r.name}`)"
+            for r in program.routes
+            if r.parts
+        ]
         walked = self._cache.walk_note(program.planned, len(nodes)) if self._static is None else None
         if walked:
             notes.append(walked)
@@ -551,6 +558,20 @@ def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Ten
     return dataclasses.replace(plan, reach=reach, leaks={k: tuple(v) for k, v in leaks.items()}, others=tuple(others))
 
 
+def _unreached(program: Program) -> list[str]:
+    """The names of the groups whose losses reach none of their parameters (per group for a route that stands for
+    several groups routed the same loss)."""
+    out = []
+    for r, route in enumerate(program.routes):
+        if route.parts:
+            leaf = program.graph.leaf
+            reached = {id(leaf[i]) for i, m in program.planned.leaf_routes.items() if m >> r & 1 and i in leaf}
+            out += unreached(route, reached)
+        elif r in program.planned.unreached:
+            out.append(route.name)
+    return out
+
+
 def _check_not_freed(program: Program) -> None:
     """Raise :class:`GraphFreedError` naming the losses whose graphs reach the node the walk found freed.
 
@@ -560,7 +581,7 @@ def _check_not_freed(program: Program) -> None:
     g = program.graph
     if g.freed is None:
         return
-    names = [r.name for r in program.routes]
+    routes = program.routes
     if not g.followed:  # a followed graph has no edges to search
-        names = [r.name for r in program.routes if reaches(g, [g.index[root_node(t)] for t in r.losses], g.freed)]
-    raise GraphFreedError(freed_message(names))
+        routes = [r for r in routes if reaches(g, [g.index[root_node(t)] for t in r.losses], g.freed)]
+    raise GraphFreedError(freed_message(group_names(routes)))

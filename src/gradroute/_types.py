@@ -15,11 +15,14 @@ class Route:
         name: the group's name.
         losses: the loss tensors routed to the group; their gradients are summed.
         params: the group's parameters (under FSDP2, their unsharded tensors).
+        parts: for a route that stands for several groups routed the same loss (``_losses.merge_same_losses``),
+            each group's name and number of parameters, in the order of ``params``; else empty.
     """
 
     name: str
     losses: tuple[torch.Tensor, ...]
     params: tuple[torch.Tensor, ...]
+    parts: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,107 @@
+"""Groups routed the same loss: one plain backward into all their parameters (NOTE [One loss routed to several
+groups] in ``_losses.py``), against per-loss references and a plain backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradroute
+from tests._reference import assert_grads_match, reference_grads
+
+D = torch.float64
+
+
+def _nets() -> tuple[nn.Module, nn.Module, nn.Module]:
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)).to(D)
+
+    return mlp(), mlp(), mlp()
+
+
+def _loss(tenc: nn.Module, unet: nn.Module) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x, target = torch.randn(5, 4, generator=g, dtype=D), torch.randn(5, 4, generator=g, dtype=D)
+    return (unet(tenc(x)) - target).pow(2).mean()
+
+
+def test_same_loss_routed_to_two_groups_is_one_plain_backward():
+    tenc, unet, _ = _nets()
+    params = [*tenc.parameters(), *unet.parameters()]
+    plain = torch.autograd.grad(_loss(tenc, unet), params)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    loss = _loss(tenc, unet)
+    plan = router.plan(tenc=loss, unet=loss)
+    assert len(plan.calls) == 1 and not any(plan.leaks.values())
+    assert any("`tenc`, `unet` are routed the same loss" in n for n in plan.notes)
+    router.backward(tenc=loss, unet=loss)
+    for p, g in zip(params, plain, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_same_loss_with_another_group_routed_its_own_loss_exact():
+    tenc, unet, head = _nets()
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters()), "head": list(head.parameters())}
+
+    def forward() -> dict[str, torch.Tensor]:
+        loss = _loss(tenc, unet)
+        return {"tenc": loss, "unet": loss, "head": head(unet(tenc(torch.ones(2, 4, dtype=D)))).pow(2).mean()}
+
+    expected = reference_grads(forward, groups)
+    router = gradroute.Router(groups)
+    losses = forward()
+    router.backward(**losses)
+    assert_grads_match([p for ps in groups.values() for p in ps], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_same_loss_to_groups_sharing_a_parameter_gives_it_the_sum():
+    # a parameter in both groups needs the loss's gradient once per group: those groups are routed as usual
+    tenc, unet, _ = _nets()
+    groups = {"tenc": [*tenc.parameters(), unet[0].weight], "unet": list(unet.parameters())}
+
+    def forward() -> dict[str, torch.Tensor]:
+        loss = _loss(tenc, unet)
+        return {"tenc": loss, "unet": loss}
+
+    expected = reference_grads(forward, groups)
+    loss = _loss(tenc, unet)
+    router = gradroute.Router(groups)
+    assert not any(n.startswith("`tenc`, `unet`") for n in router.plan(tenc=loss, unet=loss).notes)
+    router.backward(tenc=loss, unet=loss)
+    params = list({id(p): p for ps in groups.values() for p in ps}.values())
+    assert_grads_match(params, expected, rtol=1e-12, atol=1e-14)  # the shared weight: twice the loss's gradient
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_same_loss_scaled_once_for_accumulation(accumulate):
+    tenc, unet, _ = _nets()
+    params = [*tenc.parameters(), *unet.parameters()]
+    plain = torch.autograd.grad(_loss(tenc, unet) / accumulate, params)
+    router = gradroute.Router(tenc=tenc, unet=unet, accumulate=accumulate)
+    loss = _loss(tenc, unet)
+    router.backward(tenc=loss, unet=loss)
+    for p, g in zip(params, plain, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_same_loss_grads_reports_each_group_on_its_own():
+    tenc, unet, _ = _nets()
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    loss = _loss(tenc, unet)
+    got = gradroute.Router(groups).grads(tenc=loss, unet=loss)
+    plain = torch.autograd.grad(_loss(tenc, unet), groups["tenc"] + groups["unet"])
+    for g, want in zip([*got["tenc"], *got["unet"]], plain, strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+    assert all(p.grad is None for ps in groups.values() for p in ps)
+
+
+def test_same_loss_that_reaches_none_of_one_group_fails():
+    tenc, unet, _ = _nets()
+    loss = unet(tenc(torch.ones(2, 4, dtype=D)).detach()).pow(2).mean()
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    with pytest.raises(ValueError, match=r"loss for group `tenc` reaches none of that group's 4 parameters"):
+        router.backward(tenc=loss, unet=loss)
+    assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])
+    gradroute.Router(tenc=tenc, unet=unet, allow_unreached=["tenc"]).backward(tenc=loss, unet=loss)
+    assert all(p.grad is not None for p in unet.parameters())

@@ -561,7 +561,7 @@ def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Ten
 def _unreached(program: Program) -> list[str]:
     """The names of the groups whose losses reach none of their parameters (per group for a route that stands for
     several groups routed the same loss)."""
-    out = []
+    out: list[str] = []
     for r, route in enumerate(program.routes):
         if route.parts:
             leaf = program.graph.leaf

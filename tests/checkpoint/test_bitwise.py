@@ -1,0 +1,104 @@
+"""``gradroute.checkpoint`` gives bitwise the gradients of torch's non-reentrant checkpoint and of no checkpointing.
+
+On the tiny Stable Diffusion stack (transformers' CLIPTextModel -> diffusers' UNet2DConditionModel, float32
+weights), through both libraries' own switches, in float32 and under CPU autocast to bfloat16 and float16.
+Routed, the passes interleave through shared segments only where cut points let them, and then add some
+gradients in another order: bounded there, bitwise everywhere else (docs/checkpointing.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradroute
+
+from ._helpers import PRECISIONS, sd_stack
+
+
+def _params(tenc: nn.Module, unet: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*(("tenc." + n, p) for n, p in tenc.named_parameters()), *unet.named_parameters()]
+
+
+def _one_loss_grads(switch: str, precision: str, cuts: bool) -> dict[str, torch.Tensor]:
+    tenc, unet, forward = sd_stack(switch, PRECISIONS[precision], cuts)
+    forward()["tenc"].backward()  # one loss into both networks, no router
+    return {n: p.grad for n, p in _params(tenc, unet)}
+
+
+def _per_loss_reference(precision: str) -> list[torch.Tensor]:
+    """Each group's gradients of its own loss, from a fresh forward each, without checkpointing."""
+    tenc, unet, forward = sd_stack("none", PRECISIONS[precision])
+    return [
+        *torch.autograd.grad(forward()["tenc"], list(tenc.parameters())),
+        *torch.autograd.grad(forward()["unet"], list(unet.parameters())),
+    ]
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("cuts", [False, True], ids=["switches", "switches+cut_points"])
+def test_one_loss_gradients_are_bitwise_those_of_torchs_checkpoint_and_of_none(precision: str, cuts: bool) -> None:
+    # cut points hand every consumer of the UNet layers' outputs a view of its own: the gradients must
+    # still be added in the order of the plain graph
+    none = _one_loss_grads("none", precision, cuts=False)
+    theirs = _one_loss_grads("torch", precision, cuts=False)
+    ours = _one_loss_grads("gradroute", precision, cuts)
+    for name, want in none.items():
+        torch.testing.assert_close(theirs[name], want, rtol=0, atol=0, msg=f"torch's checkpoint: {name}")
+        torch.testing.assert_close(ours[name], want, rtol=0, atol=0, msg=f"gradroute.checkpoint: {name}")
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_routed_gradients_are_bitwise_the_per_loss_references(precision: str) -> None:
+    # without cut points the planner cannot interleave its passes through the UNet's segments and plans as
+    # for torch's checkpoint: nothing is added in another order; three backwards: the autotuner's
+    # candidate plans are tried one after the other
+    expected = _per_loss_reference(precision)
+    tenc, unet, forward = sd_stack("gradroute", PRECISIONS[precision])
+    params = _params(tenc, unet)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    for step in range(3):
+        for _, p in params:
+            p.grad = None
+        router.backward(**forward())
+        for (name, p), want in zip(params, expected, strict=True):
+            torch.testing.assert_close(p.grad, want, rtol=0, atol=0, msg=f"step {step}: {name}")
+
+
+#: unit roundoff of the dtype the gradients are added in (autocast's: its ops' gradients are in that dtype)
+_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("remake_min_bytes", [None, 0], ids=["default", "remade tensors"])
+def test_routed_gradients_through_cut_points_differ_by_summation_order_only(
+    precision: str, remake_min_bytes: int | None
+) -> None:
+    # With cut points the passes interleave chunk by chunk through shared recomputations: a tensor whose
+    # consumers lie in several chunks (the text encoder's states, read by every cross-attention) gets its
+    # gradient as partial sums, one per chunk's engine call, added together afterwards: ``(a + b) + (c + d)``
+    # where the plain graph adds ``((a + b) + c) + d``. Reassociating a sum of n terms of magnitude at most S
+    # changes it by at most about n * u * S (u: the unit roundoff of the dtype they are added in), and the
+    # backward below carries that on linearly. The terms here are gradients of the group's own size (S: the
+    # largest reference gradient of the group), n is a handful of consumers, and the layers below amplify
+    # little: a bound of 64 u S per group, where about 8 u S is reached in float32 and 3 to 4 u S under autocast.
+    # A wrong gradient (a missing or doubled term) is of the order of S itself, far above it.
+    expected = _per_loss_reference(precision)
+    tenc, unet, forward = sd_stack("gradroute", PRECISIONS[precision], cuts=True)
+    params = _params(tenc, unet)
+    options = gradroute.PlanOptions() if remake_min_bytes is None else gradroute.PlanOptions(remake_min_bytes=0)
+    router = gradroute.Router(tenc=tenc, unet=unet, plan_options=options)
+    assert any("chunk(s) of gradroute.checkpoint segments" in n for n in router.plan(**forward()).notes)
+    n_tenc = len(list(tenc.parameters()))
+    scale = {
+        "tenc": max(g.abs().max().item() for g in expected[:n_tenc]),
+        "unet": max(g.abs().max().item() for g in expected[n_tenc:]),
+    }
+    for step in range(3):
+        for _, p in params:
+            p.grad = None
+        router.backward(**forward())
+        for k, ((name, p), want) in enumerate(zip(params, expected, strict=True)):
+            bound = 64 * _ROUNDOFF[precision] * scale["tenc" if k < n_tenc else "unet"]
+            torch.testing.assert_close(p.grad, want, rtol=0, atol=bound, msg=f"step {step}: {name}")

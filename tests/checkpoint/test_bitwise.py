@@ -71,7 +71,9 @@ _ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("remake_min_bytes", [None, 0], ids=["default", "remade tensors"])
+@pytest.mark.parametrize(
+    "remake_min_bytes", [None, pytest.param(0, marks=pytest.mark.slow)], ids=["default", "remade tensors"]
+)
 def test_routed_gradients_through_cut_points_differ_by_summation_order_only(
     precision: str, remake_min_bytes: int | None
 ) -> None:

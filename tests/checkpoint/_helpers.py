@@ -255,7 +255,8 @@ def sd_stack(
     Args:
         switch: ``"none"`` (no checkpointing), ``"torch"`` (both libraries' own switches, torch's non-reentrant
             checkpoint) or ``"gradroute"`` (``unet.enable_gradient_checkpointing(gradient_checkpointing_func=
-            gradroute.checkpoint)`` and ``gradroute.enable_checkpointing(text_encoder)``).
+            gradroute.checkpoint)`` and ``gradroute.enable_checkpointing(text_encoder)``) or
+            ``"enable_checkpointing"`` (``gradroute.enable_checkpointing`` on both: cut points included).
         autocast: the forward runs under CPU autocast to this dtype (None: none).
         cuts: also ``gradroute.cut_points`` on the UNet's blocks' layers (docs/checkpointing.md).
 
@@ -302,6 +303,9 @@ def sd_stack(
             tenc.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif switch == "gradroute":
         unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)
+        gradroute.enable_checkpointing(tenc)
+    elif switch == "enable_checkpointing":
+        gradroute.enable_checkpointing(unet)
         gradroute.enable_checkpointing(tenc)
     if cuts:
         from gradroute.cli.workloads.sd15 import unet_cut_points

@@ -21,7 +21,7 @@ def _params(tenc: nn.Module, unet: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*(("tenc." + n, p) for n, p in tenc.named_parameters()), *unet.named_parameters()]
 
 
-def _one_loss_grads(switch: str, precision: str, cuts: bool) -> dict[str, torch.Tensor]:
+def _one_loss_grads(switch: str, precision: str, cuts: bool = False) -> dict[str, torch.Tensor]:
     tenc, unet, forward = sd_stack(switch, PRECISIONS[precision], cuts)
     forward()["tenc"].backward()  # one loss into both networks, no router
     return {n: p.grad for n, p in _params(tenc, unet)}
@@ -37,13 +37,19 @@ def _per_loss_reference(precision: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("cuts", [False, True], ids=["switches", "switches+cut_points"])
-def test_one_loss_gradients_are_bitwise_those_of_torchs_checkpoint_and_of_none(precision: str, cuts: bool) -> None:
-    # cut points hand every consumer of the UNet layers' outputs a view of its own: the gradients must
-    # still be added in the order of the plain graph
-    none = _one_loss_grads("none", precision, cuts=False)
-    theirs = _one_loss_grads("torch", precision, cuts=False)
-    ours = _one_loss_grads("gradroute", precision, cuts)
+@pytest.mark.parametrize(
+    "setup",
+    [("gradroute", False), ("gradroute", True), ("enable_checkpointing", False)],
+    ids=["switches", "switches+cut_points", "enable_checkpointing"],
+)
+def test_one_loss_gradients_are_bitwise_those_of_torchs_checkpoint_and_of_none(
+    precision: str, setup: tuple[str, bool]
+) -> None:
+    # cut points (by hand, or gradroute.enable_checkpointing's) hand every consumer of the UNet layers'
+    # outputs a view of its own: the gradients must still be added in the order of the plain graph
+    none = _one_loss_grads("none", precision)
+    theirs = _one_loss_grads("torch", precision)
+    ours = _one_loss_grads(setup[0], precision, setup[1])
     for name, want in none.items():
         torch.testing.assert_close(theirs[name], want, rtol=0, atol=0, msg=f"torch's checkpoint: {name}")
         torch.testing.assert_close(ours[name], want, rtol=0, atol=0, msg=f"gradroute.checkpoint: {name}")
@@ -87,11 +93,13 @@ def test_routed_gradients_through_cut_points_differ_by_summation_order_only(
     # little: a bound of 64 u S per group, where about 8 u S is reached in float32 and 3 to 4 u S under autocast.
     # A wrong gradient (a missing or doubled term) is of the order of S itself, far above it.
     expected = _per_loss_reference(precision)
-    tenc, unet, forward = sd_stack("gradroute", PRECISIONS[precision], cuts=True)
+    tenc, unet, forward = sd_stack("enable_checkpointing", PRECISIONS[precision])  # cut points included
     params = _params(tenc, unet)
     options = gradroute.PlanOptions() if remake_min_bytes is None else gradroute.PlanOptions(remake_min_bytes=0)
     router = gradroute.Router(tenc=tenc, unet=unet, plan_options=options)
-    assert any("chunk(s) of gradroute.checkpoint segments" in n for n in router.plan(**forward()).notes)
+    notes = router.plan(**forward()).notes
+    assert any("chunk(s) of gradroute.checkpoint segments" in n for n in notes), notes
+    assert not any("recomputed once per call" in n for n in notes), notes
     n_tenc = len(list(tenc.parameters()))
     scale = {
         "tenc": max(g.abs().max().item() for g in expected[:n_tenc]),
@@ -104,3 +112,16 @@ def test_routed_gradients_through_cut_points_differ_by_summation_order_only(
         for k, ((name, p), want) in enumerate(zip(params, expected, strict=True)):
             bound = 64 * _ROUNDOFF[precision] * scale["tenc" if k < n_tenc else "unet"]
             torch.testing.assert_close(p.grad, want, rtol=0, atol=bound, msg=f"step {step}: {name}")
+
+
+def test_enable_checkpointing_plans_as_the_documented_switches_and_cut_points() -> None:
+    # one call per model gives the plan of the diffusers switch plus the hand-placed cut points of
+    # docs/checkpointing.md (the same engine calls, so the same cost); the switch alone recomputes per call
+    plans = {}
+    for switch, cuts in (("gradroute", False), ("gradroute", True), ("enable_checkpointing", False)):
+        tenc, unet, forward = sd_stack(switch, None, cuts)
+        plans[switch, cuts] = gradroute.Router(tenc=tenc, unet=unet).plan(**forward())
+    assert any("recomputed once per call" in n for n in plans["gradroute", False].notes)
+    by_hand, one_call = plans["gradroute", True], plans["enable_checkpointing", False]
+    assert one_call.calls == by_hand.calls and one_call.notes == by_hand.notes
+    assert len(one_call.calls) > len(plans["gradroute", False].calls)  # interleaved

@@ -44,6 +44,7 @@ from .._compat import (
     set_device_states,
     tree_map,
 )
+from ._advice import cover
 from ._frame import Frame, SaveInputs
 from ._hooks import ForwardHooks
 from ._registry import this_thread
@@ -237,6 +238,7 @@ def checkpoint_modules(*modules: torch.nn.Module) -> None:
         torch.Size([4, 4])
     """
     _check_modules(modules)
+    cover(modules)
     for m in modules:
         m.forward = functools.partial(checkpoint, m.forward)  # type: ignore[method-assign]
 
@@ -273,6 +275,7 @@ def cut_points(*modules: torch.nn.Module) -> list[torch.utils.hooks.RemovableHan
         ...     handle.remove()
     """
     _check_modules(modules)
+    cover(modules)
     return [m.register_forward_hook(view_outputs) for m in modules]
 
 

@@ -24,6 +24,9 @@ torch_ck: CK = functools.partial(torch.utils.checkpoint.checkpoint, use_reentran
 
 CKS = {"gradroute": gradroute.checkpoint, "torch": torch_ck}
 
+#: for tests that route diffusers' switch alone on purpose: the warning that cut points are missing is expected
+switch_alone = pytest.mark.filterwarnings("ignore:gradroute.checkpoint. this routed backward:UserWarning")
+
 
 class Block(nn.Module):
     """A residual MLP block with dropout; counts its calls made during a routed backward (recomputations)."""

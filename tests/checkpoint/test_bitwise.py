@@ -14,7 +14,7 @@ from torch import nn
 
 import gradroute
 
-from ._helpers import PRECISIONS, sd_stack
+from ._helpers import PRECISIONS, sd_stack, switch_alone
 
 
 def _params(tenc: nn.Module, unet: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -55,6 +55,7 @@ def test_one_loss_gradients_are_bitwise_those_of_torchs_checkpoint_and_of_none(
         torch.testing.assert_close(ours[name], want, rtol=0, atol=0, msg=f"gradroute.checkpoint: {name}")
 
 
+@switch_alone
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_routed_gradients_are_bitwise_the_per_loss_references(precision: str) -> None:
     # without cut points the planner cannot interleave its passes through the UNet's segments and plans as

@@ -84,15 +84,16 @@ _ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 def test_routed_gradients_through_cut_points_differ_by_summation_order_only(
     precision: str, remake_min_bytes: int | None
 ) -> None:
-    # With cut points the passes interleave chunk by chunk through shared recomputations: a tensor whose
-    # consumers lie in several chunks (the text encoder's states, read by every cross-attention) gets its
-    # gradient as partial sums, one per chunk's engine call, added together afterwards: ``(a + b) + (c + d)``
-    # where the plain graph adds ``((a + b) + c) + d``. Reassociating a sum of n terms of magnitude at most S
-    # changes it by at most about n * u * S (u: the unit roundoff of the dtype they are added in), and the
-    # backward below carries that on linearly. The terms here are gradients of the group's own size (S: the
-    # largest reference gradient of the group), n is a handful of consumers, and the layers below amplify
-    # little: a bound of 64 u S per group, where about 8 u S is reached in float32 and 3 to 4 u S under autocast.
-    # A wrong gradient (a missing or doubled term) is of the order of S itself, far above it.
+    # With cut points the passes interleave chunk by chunk through shared recomputations, and the gradient
+    # of a tensor read on both sides of a cut (the text encoder's states, read by every cross-attention) is
+    # formed across several engine calls: the same terms, grouped otherwise than one backward groups them
+    # (``(a + b) + (c + d)`` for ``((a + b) + c) + d``; 2e-15 relative in float64: rounding only).
+    # Regrouping a sum of n terms of magnitude at most S changes it by at most about n * u * S (u: the unit
+    # roundoff of the dtype they are added in), and the backward below carries that on linearly. The terms
+    # here are gradients of the group's own size (S: the largest reference gradient of the group), n is a
+    # handful of consumers, and the layers below amplify little: a bound of 64 u S per group, where about
+    # 8 u S is reached in float32 and 3 to 4 u S under autocast. A wrong gradient (a missing or doubled term)
+    # is of the order of S itself, far above it.
     expected = _per_loss_reference(precision)
     tenc, unet, forward = sd_stack("enable_checkpointing", PRECISIONS[precision])  # cut points included
     params = _params(tenc, unet)

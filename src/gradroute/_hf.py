@@ -11,6 +11,22 @@ gradient_checkpointing_func, every_n_layers)``, private but stable since 4.35 (t
 switch calls). :func:`enable_checkpointing` is the one place gradroute calls it; the tests run it against both
 releases. It does what the public switch does otherwise, minus ``enable_input_require_grads`` (which only
 reentrant checkpointing needs: ``gradroute.checkpoint`` is not reentrant).
+
+NOTE [Cut points of diffusers' UNets]
+diffusers' switch checkpoints the layers inside its UNet blocks (resnets, transformer blocks), while the
+tensors its skip connections carry leave from un-checkpointed modules (downsamplers, the transformer models'
+residual adds). Without cuts there, the router cannot interleave its passes through those segments and
+recomputes them once per engine call, like torch's checkpoint (NOTE [Segments the passes cannot interleave]
+in _checkpoint/_api.py). So :func:`enable_checkpointing` also makes cut points of the layers of every
+diffusers block (the members of its ``resnets``, ``attentions``, ``downsamplers`` and ``upsamplers``
+lists) and of ``conv_in`` and ``time_embedding``:
+
+1. A cut point only gives each consumer of the module's output a view of that output: the gradients are
+   added in the same order as without it (NOTE [Views that sum like the plain graph] in _checkpoint/_views.py),
+   so a plain backward is bitwise unchanged.
+2. A module that already has the cut-point hook is not given a second one (calling twice changes nothing).
+3. transformers' encoder and decoder layers need none: each layer's output is a segment's output already,
+   and nothing else consumes the residual stream between them.
 """
 
 from __future__ import annotations
@@ -19,6 +35,11 @@ import inspect
 from typing import Any
 
 from torch import nn
+
+#: the lists of layers of a diffusers block (``UNetMidBlock2DCrossAttn``, ``CrossAttnDownBlock2D``, ...)
+_DIFFUSERS_LAYER_LISTS = ("resnets", "attentions", "downsamplers", "upsamplers")
+#: a diffusers UNet's modules before its blocks whose outputs several blocks consume
+_DIFFUSERS_STEMS = ("conv_in", "time_embedding")
 
 
 def _unwrap(model: Any) -> Any:
@@ -47,7 +68,11 @@ def enable_checkpointing(model: nn.Module, *, every_n_layers: int = 1) -> None:
 
     The model's own switch decides which blocks are checkpointed (transformers: its decoder or encoder
     layers; diffusers: its blocks); each block's segment is then recomputed once per routed backward instead of
-    once per engine call. A DDP wrapper (``accelerator.prepare``) or a peft model is looked through.
+    once per engine call. For a diffusers model it also makes cut points (:func:`gradroute.cut_points`) of its
+    blocks' layers (resnets, attentions, down- and upsamplers) and of ``conv_in`` and ``time_embedding``, so
+    that the router interleaves its passes through the UNet's segments despite the skip connections; without a
+    router the gradients are bitwise those of torch's checkpoint. A DDP wrapper (``accelerator.prepare``) or a
+    peft model is looked through.
 
     Args:
         model: a ``transformers.PreTrainedModel`` or a ``diffusers.ModelMixin`` (possibly wrapped).
@@ -99,8 +124,33 @@ def enable_checkpointing(model: nn.Module, *, every_n_layers: int = 1) -> None:
         if every_n_layers != 1:
             raise ValueError(f"`every_n_layers` is for transformers models, not {type(inner).__name__}")
         diffusers_switch(gradient_checkpointing_func=checkpoint)
+        _set_cut_points(inner)
         return
     raise TypeError(
         f"`model` must be a transformers PreTrainedModel or a diffusers ModelMixin, got {type(model).__name__}; "
         "for other modules use gradroute.checkpoint or gradroute.checkpoint_modules"
     )
+
+
+def diffusers_cut_points(model: nn.Module) -> list[nn.Module]:
+    """The modules of a diffusers model whose outputs the router needs to cut at (NOTE [Cut points of
+    diffusers' UNets]): every layer of its blocks, and ``conv_in`` and ``time_embedding`` where it has them."""
+    found: dict[int, nn.Module] = {}
+    for name in _DIFFUSERS_STEMS:
+        stem = getattr(model, name, None)
+        if isinstance(stem, nn.Module):
+            found[id(stem)] = stem
+    for block in model.modules():
+        for name in _DIFFUSERS_LAYER_LISTS:
+            layers = getattr(block, name, None)
+            if isinstance(layers, nn.ModuleList):
+                found.update((id(m), m) for m in layers)
+    return list(found.values())
+
+
+def _set_cut_points(model: nn.Module) -> None:
+    from ._checkpoint import cut_points
+    from ._checkpoint._views import view_outputs
+
+    todo = [m for m in diffusers_cut_points(model) if view_outputs not in m._forward_hooks.values()]
+    cut_points(*todo)

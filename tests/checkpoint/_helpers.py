@@ -24,6 +24,9 @@ torch_ck: CK = functools.partial(torch.utils.checkpoint.checkpoint, use_reentran
 
 CKS = {"gradroute": gradroute.checkpoint, "torch": torch_ck}
 
+#: for tests that route diffusers' switch alone on purpose: the warning that cut points are missing is expected
+switch_alone = pytest.mark.filterwarnings("ignore:gradroute.checkpoint. this routed backward:UserWarning")
+
 
 class Block(nn.Module):
     """A residual MLP block with dropout; counts its calls made during a routed backward (recomputations)."""
@@ -241,3 +244,88 @@ def checkpoint_kinds(t: torch.Tensor) -> set[str | None]:
         kinds.add(checkpoint_kind(n))
         stack.extend(f for f, _ in n.next_functions)
     return kinds
+
+
+#: autocast dtypes of the precision tests on CPU (None: plain float32)
+PRECISIONS: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sd_stack(
+    switch: str, autocast: torch.dtype | None, cuts: bool = False
+) -> tuple[nn.Module, nn.Module, Callable[[], dict[str, torch.Tensor]]]:
+    """The tiny Stable Diffusion stack in float32: transformers' CLIPTextModel -> diffusers' UNet2DConditionModel.
+
+    Args:
+        switch: ``"none"`` (no checkpointing), ``"torch"`` (both libraries' own switches, torch's non-reentrant
+            checkpoint) or ``"gradroute"`` (``unet.enable_gradient_checkpointing(gradient_checkpointing_func=
+            gradroute.checkpoint)`` and ``gradroute.enable_checkpointing(text_encoder)``) or
+            ``"enable_checkpointing"`` (``gradroute.enable_checkpointing`` on both: cut points included).
+        autocast: the forward runs under CPU autocast to this dtype (None: none).
+        cuts: also ``gradroute.cut_points`` on the UNet's blocks' layers (docs/checkpointing.md).
+
+    Returns:
+        ``(text_encoder, unet, forward)``: the same weights for every ``switch``; ``forward()`` gives the
+        losses ``{"tenc": mean, "unet": masked mean}`` of one noise prediction, with the same dropout masks
+        on every call (the text encoder's attention dropout draws inside its checkpointed layers).
+    """
+    diffusers = pytest.importorskip("diffusers")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    tenc = transformers.CLIPTextModel(
+        transformers.CLIPTextConfig(
+            vocab_size=99,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=37,
+            max_position_embeddings=77,
+            attention_dropout=0.1,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    )
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=8,
+        norm_num_groups=32,
+    )
+    tenc.train()
+    unet.train()
+    if switch == "torch":
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=torch_ck)
+        enable = getattr(tenc, "activation_checkpointing_enable", None)  # transformers 5.23+; before: the alias
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            tenc.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif switch == "gradroute":
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)
+        gradroute.enable_checkpointing(tenc)
+    elif switch == "enable_checkpointing":
+        gradroute.enable_checkpointing(unet)
+        gradroute.enable_checkpointing(tenc)
+    if cuts:
+        from gradroute.cli.workloads.sd15 import unet_cut_points
+
+        gradroute.cut_points(*unet_cut_points(unet))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(2, 99, (2, 16), generator=g)
+    noisy, noise = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    mask = (torch.rand(2, 1, 8, 8, generator=g) > 0.5).float()
+    timesteps = torch.tensor([10, 500])
+
+    def forward() -> dict[str, torch.Tensor]:
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            states = tenc(input_ids=tokens).last_hidden_state
+            pred = unet(noisy, timesteps, encoder_hidden_states=states).sample
+        loss = nn.functional.mse_loss(pred.float(), noise, reduction="none")
+        return {"tenc": loss.mean(), "unet": (loss * mask).mean()}
+
+    return tenc, unet, forward

@@ -13,7 +13,7 @@ import gradroute
 from gradroute import _session
 
 from .._reference import assert_grads_match, reference_grads
-from ._helpers import CK, CKS, Counted, D, GatedFF, checkpoint_kinds, losses, make, recomputed, sd_tiny
+from ._helpers import CK, CKS, Counted, D, GatedFF, checkpoint_kinds, losses, make, recomputed, sd_tiny, switch_alone
 
 
 @pytest.mark.parametrize("method", ["backward", "grads"])
@@ -121,6 +121,7 @@ def test_cut_points_non_module_fails(bad: Any) -> None:
         gradroute.cut_points(nn.Linear(2, 2), bad)
 
 
+@switch_alone
 def test_diffusers_and_transformers_switches_accept_gradroute_checkpoint() -> None:
     tenc, unet, forward = sd_tiny(gradroute.checkpoint)
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}

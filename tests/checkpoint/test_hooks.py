@@ -12,7 +12,18 @@ import gradroute
 from gradroute import _session
 
 from .._reference import assert_grads_match, reference_grads
-from ._helpers import CK, CKS, Counted, backward_sampling_live, counting, losses, make, recomputed, sd_tiny
+from ._helpers import (
+    CK,
+    CKS,
+    Counted,
+    backward_sampling_live,
+    counting,
+    losses,
+    make,
+    recomputed,
+    sd_tiny,
+    switch_alone,
+)
 
 
 def _chain(ck: CK, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, list[Counted]]:
@@ -126,6 +137,7 @@ def test_diffusers_and_transformers_recompute_at_most_once_per_pass(ck: str) -> 
         assert counts["unet"][0] == 1 and set(counts["unet"]) == {1, 2}, counts
 
 
+@switch_alone
 def test_segments_the_passes_cannot_interleave_are_recomputed_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     # diffusers' per-layer switch: its skip connections leave from un-checkpointed ops, so one text-encoder
     # call runs through a whole run of segments; shared, their recomputations would all stay alive until the
@@ -150,6 +162,7 @@ def test_segments_the_passes_cannot_interleave_are_recomputed_per_call(monkeypat
     assert max(live) < max(shared) and live[-1] == shared[-1] == 0, (live, shared)
 
 
+@switch_alone
 def test_grads_exact_where_segments_are_recomputed_per_call() -> None:
     tenc, unet, forward = sd_tiny(gradroute.checkpoint)
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}

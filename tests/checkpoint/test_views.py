@@ -167,13 +167,15 @@ def test_every_segment_tensor_in_an_ops_arguments_gets_a_view_of_its_own():
 
     from gradroute._checkpoint._views import _own_views, consumer_views
 
-    x = consumer_views(torch.randn(2, 3, requires_grad=True))
+    made = torch.randn(2, 3, requires_grad=True) * 2  # not a leaf (a leaf stays itself)
+    x = consumer_views(made)
     pair = namedtuple("pair", "a b")
     args = (x, [x, 2.0], {"other": x, "n": 3}, pair(x, None), torch.ones(1), "s")
     out = _own_views(args)
     found = [out[0], *out[1][:1], out[2]["other"], out[3].a]
     assert all(type(t) is torch.Tensor for t in found)  # plain tensors: the ops return plain ones
     assert len({t.grad_fn for t in found}) == 4  # a view each
+    assert all(t.grad_fn.next_functions[0][0] is made.grad_fn for t in found)  # of the plain tensor, not an alias
     assert all(torch.equal(t, x) for t in found)
     assert out[1][1] == 2.0 and out[2]["n"] == 3 and out[3].b is None and out[4] is args[4] and out[5] == "s"
     assert type(out[3]) is pair

@@ -8,6 +8,7 @@ User guide: docs/checkpointing.md. One mechanism per file:
 - ``_placeholder.py``: what the graph saves in place of a tensor, and how a dropped one is remade;
 - ``_remakes.py``: the dispatch mode that records which saved tensors cheap ops made (remade tensors);
 - ``_views.py``: per-consumer views of a segment's inputs and outputs, and cut points;
+- ``_advice.py``: the warning where a routed backward recomputes diffusers' layers per call (no cut points);
 - ``_registry.py``: which sequence numbers belong to which live segment, per thread;
 - ``_queries.py``: what the planner and the router ask (``segments``, ``held_bytes``, ``checkpoint_kind``,
   ``maybe_live``);

@@ -44,6 +44,7 @@ from .._compat import (
     set_device_states,
     tree_map,
 )
+from ._advice import cover
 from ._frame import Frame, SaveInputs
 from ._hooks import ForwardHooks
 from ._registry import this_thread
@@ -67,11 +68,13 @@ def checkpoint(
 
     A drop-in for ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)``, with the
     same keyword arguments. Outside :meth:`gradroute.Router.backward` / :meth:`~gradroute.Router.grads` it
-    behaves the same (one recomputation per backward call). Inside one, all engine calls of the router call
-    share one recomputation of the segment; each recomputed tensor is freed with the autograd node that
-    saved it, at the latest when the router call returns; the router interleaves its calls chunk by chunk so
-    that a recomputation is freed as the passes go down the segment (docs/checkpointing.md). The tensors it
-    takes and returns hand every op that consumes them a view of their own (for the planner's cuts).
+    behaves the same (one recomputation per backward call), with bitwise the same gradients. Inside one,
+    all engine calls of the router call share one recomputation of the segment; each recomputed tensor is
+    freed with the autograd node that saved it, at the latest when the router call returns; the router
+    interleaves its calls chunk by chunk so that a recomputation is freed as the passes go down the segment
+    (docs/checkpointing.md). The tensors it
+    takes and returns hand every op that consumes them a view of their own (for the planner's cuts; the
+    gradients are added in the same order as without them: docs/checkpointing.md, "Exactness").
 
     With ``torch.compile``: traced inside a compiled model, it is ``torch.utils.checkpoint.checkpoint``
     (which the compiler knows; each engine call then recomputes, as with torch's). A compiled module or
@@ -235,6 +238,7 @@ def checkpoint_modules(*modules: torch.nn.Module) -> None:
         torch.Size([4, 4])
     """
     _check_modules(modules)
+    cover(modules)
     for m in modules:
         m.forward = functools.partial(checkpoint, m.forward)  # type: ignore[method-assign]
 
@@ -271,6 +275,7 @@ def cut_points(*modules: torch.nn.Module) -> list[torch.utils.hooks.RemovableHan
         ...     handle.remove()
     """
     _check_modules(modules)
+    cover(modules)
     return [m.register_forward_hook(view_outputs) for m in modules]
 
 

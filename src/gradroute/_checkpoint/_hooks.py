@@ -37,6 +37,7 @@ from .._compat import (
     next_sequence_nr,
     queue_engine_callback,
 )
+from ._advice import advise_cut_points
 from ._frame import Frame
 from ._placeholder import REMADE_ON_USE, Placeholder
 
@@ -82,6 +83,7 @@ def _unpack_per_call(frame: Frame, p: Placeholder, session: Any) -> torch.Tensor
     """One recomputation per engine call of the routed backward ``session``, each tensor dropped once used."""
     key = (session, current_graph_task_id())
     if key not in frame.done:
+        advise_cut_points(frame.fn, session)
         frame.recompute(key)
         forget = _forgetter(frame, key)
         session.on_exit.append(forget)

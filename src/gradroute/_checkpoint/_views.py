@@ -8,6 +8,29 @@ into one node input, and the line could not be cut. So every edge into and out o
 node of its own: the tensors a segment takes and returns become ``SegmentTensor``s, and each op that
 consumes one consumes a fresh ``view_as`` of it. ``cut_points`` does the same for chosen modules' outputs
 outside any segment (diffusers' skip connections leave from un-checkpointed modules).
+
+NOTE [Views that sum like the plain graph]
+Outside a routed backward, gradients must be bitwise those of the same code without the views (and so of
+torch's checkpoint, and of no checkpointing): floating-point addition is not associative, and a tensor's
+gradient is the sum of its consumers' in the order the engine runs them. So:
+
+1. Each consumer's view is a view of the plain tensor itself (``SegmentTensor.plain``), not of the
+   ``SegmentTensor``: ``as_subclass`` makes an alias node, and views of it would sum the segment's consumers
+   into that node first and hand the producer one partial sum (``o + (a1 + a2)`` for ``(o + a2) + a1``:
+   1e-7 relative in float32, 1e-3 in bfloat16 on diffusers' UNet, where the segments' inputs have
+   consumers outside them too: skip connections, the time embedding, the cross-attention states).
+2. A view node is made just before its consumer, so it has the next lower sequence number and the engine
+   runs it right after that consumer: the producer receives every gradient in the plain graph's order,
+   added one by one into the same buffer. A view's backward is the identity; the sums are the same.
+3. The alias stays out of the graph that a backward walks: attribute reads and writes (``.grad_fn``,
+   ``.grad``, ``.requires_grad``, ...) and the methods that act on the tensor itself (hooks,
+   ``retain_grad``) go to the plain tensor, as if the caller held it. Only code that bypasses
+   ``__torch_function__`` (a custom ``autograd.Function``'s ``apply``) consumes the alias; its gradient is
+   then summed there first (exact, but not in the plain graph's order).
+4. A leaf is not wrapped: autocast casts a leaf that requires grad once per autocast region and keeps the
+   cast (its cast cache, meant for weights), so every consumer shares one cast node and the gradients are
+   summed in the low precision before the cast back; a view is no leaf and would be cast once per
+   consumer. The planner needs no cut above a leaf (its accumulation node is where every pass ends).
 """
 
 from __future__ import annotations
@@ -23,18 +46,35 @@ from .._compat import disable_torch_function_subclass, is_optimized_module, tree
 class SegmentTensor(torch.Tensor):
     """A tensor a checkpointed segment took or returned: every op that consumes it consumes a view of its own.
 
-    The ops return plain tensors; attribute reads (``.shape``, ``.grad_fn``, ...) see the tensor itself.
+    The ops return plain tensors; attribute reads and writes (``.shape``, ``.grad_fn``, ``.grad``, ...) and
+    the methods in ``_ON_THE_TENSOR`` act on :attr:`plain`, the tensor it was made from (NOTE [Views that sum
+    like the plain graph]).
+
+    Attributes:
+        plain: the plain tensor (the views are its views, so gradients sum where they would without them).
     """
+
+    plain: torch.Tensor
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # once per op on the tensor: kept short (its cost is most of gradroute.checkpoint's in a small forward)
         with disable_torch_function_subclass():
-            if func in _ON_THE_TENSOR or getattr(func, "__name__", "") == "__get__" or not torch.is_grad_enabled():
+            if func in _ON_THE_TENSOR or getattr(func, "__name__", "") in _ACCESSORS:
+                args = (_plain_of(args[0]), *args[1:])
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if not torch.is_grad_enabled():
                 return func(*args, **kwargs) if kwargs else func(*args)
             if kwargs:
                 return func(*_own_views(args), **_own_views(kwargs))
             return func(*_own_views(args))
+
+
+_ACCESSORS = frozenset({"__get__", "__set__", "__delete__"})
+
+
+def _plain_of(x: Any) -> Any:
+    return x.plain if type(x) is SegmentTensor else x
 
 
 # methods that act on the tensor itself, not ops that consume it (a hook on a fresh view would never fire), and
@@ -57,7 +97,10 @@ _ON_THE_TENSOR = frozenset(
 
 
 def _own_view(x: Any) -> Any:
-    return x.view_as(x) if isinstance(x, SegmentTensor) else x
+    if isinstance(x, SegmentTensor):
+        x = x.plain
+        return x.view_as(x)
+    return x
 
 
 def _own_views(x: Any) -> Any:
@@ -71,6 +114,7 @@ def _own_views(x: Any) -> Any:
     if kind is tuple or kind is list:
         return kind([_own_views(v) for v in x])
     if kind is SegmentTensor:
+        x = x.plain
         return x.view_as(x)
     if kind is dict:
         return {k: _own_views(v) for k, v in x.items()}
@@ -82,20 +126,26 @@ def _own_views(x: Any) -> Any:
 
 
 def consumer_views(x: Any) -> Any:
-    """A segment's input or output as a :class:`SegmentTensor` (every consuming op gets a view of its own)."""
+    """A segment's input or output as a :class:`SegmentTensor` (every consuming op gets a view of its own).
+
+    A leaf stays itself (NOTE [Views that sum like the plain graph], rule 4).
+    """
     if (
         isinstance(x, torch.Tensor)
         and x.requires_grad
         and type(x) is torch.Tensor
+        and x.grad_fn is not None
         and not torch.compiler.is_compiling()
     ):
-        return x.as_subclass(SegmentTensor)
+        segment_tensor = x.as_subclass(SegmentTensor)
+        segment_tensor.plain = x
+        return segment_tensor
     return x
 
 
 def plain(x: Any) -> Any:
     """``x`` as a plain tensor if it is a :class:`SegmentTensor` (compiled code cannot take the subclass)."""
-    return x.as_subclass(torch.Tensor) if isinstance(x, SegmentTensor) else x
+    return x.plain if isinstance(x, SegmentTensor) else x
 
 
 def view_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:

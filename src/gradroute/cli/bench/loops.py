@@ -47,13 +47,12 @@ SETUP: dict[str, Any] = {
 
 
 def adamw(params: list[torch.Tensor], lr: float, weight_decay: float) -> tuple[torch.optim.AdamW, str]:
-    """An AdamW with ``SETUP``'s settings, fused where the parameters' device has the fused kernel; and which
-    implementation it is (``"fused"`` or ``"foreach"``)."""
+    """An AdamW with ``SETUP``'s settings, fused on CUDA and the CPU (every supported torch has the kernels
+    there), else (``meta``) the ``foreach`` one; and which it is (``"fused"`` or ``"foreach"``)."""
     kw = {"lr": lr, "weight_decay": weight_decay, "betas": SETUP["betas"], "eps": SETUP["eps"]}
-    try:
+    if params[0].device.type in ("cuda", "cpu"):
         return torch.optim.AdamW(params, fused=True, **kw), "fused"
-    except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
-        return torch.optim.AdamW(params, foreach=True, **kw), "foreach"
+    return torch.optim.AdamW(params, foreach=True, **kw), "foreach"
 
 
 @dataclass(eq=False)

@@ -9,6 +9,7 @@ own storages are not counted (a weight's transpose is a view of it); gradients a
     python benchmarks/trace_memory.py --no-checkpointing
     python benchmarks/trace_memory.py --workload sd15 --device meta --batch-size 32 --kind gradroute,cuts,blocks
     python benchmarks/trace_memory.py --workload sd15 --device meta --batch-size 8 --no-checkpointing --iteration
+    python benchmarks/trace_memory.py --workload gan --iteration          # gan: whole iterations only
 
 ``--iteration`` traces whole training iterations instead (``gradroute bench --step``'s loops: forward, backward,
 two AdamW with clipping and schedulers, zero_grad), the router's loop against the hand-written one, from the
@@ -45,6 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import gradroute
 from gradroute.cli.bench.loops import make_loop
 from gradroute.cli.bench.step_report import parse_targets
+from gradroute.cli.choices import CHECKPOINTING
 from gradroute.cli.workloads import Workload, build
 
 
@@ -208,7 +210,8 @@ def trace_iteration(
         rest = mode.now
         mode.peak, mode.at = mode.now, "rest"
         loop.iterate()
-    return rest / 2**20, mode.peak / 2**20, mode.at
+    chosen = loop.chosen()
+    return rest / 2**20, mode.peak / 2**20, mode.at + (f"; measured plan choice: {chosen}" if chosen else "")
 
 
 def iterations(wl: Workload, kinds: list[str], autocast: torch.dtype | None, bound: float | None) -> None:
@@ -230,7 +233,8 @@ def iterations(wl: Workload, kinds: list[str], autocast: torch.dtype | None, bou
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=("sd-tiny", "sd15"), default="sd-tiny")
+    p.add_argument("--workload", choices=("sd-tiny", "sd15", "gan"), default="sd-tiny", help="gan: --iteration only")
+    p.add_argument("--width", type=int, default=None, help="sd-tiny, gan: the model width (default per workload)")
     p.add_argument("--device", default="cpu", help="cpu (default) or meta (shapes only)")
     p.add_argument("--batch-size", type=int, default=None, help="default per workload")
     p.add_argument("--latent-size", type=int, default=None, help="sd15: latent height and width (default 64)")
@@ -257,13 +261,16 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     options = gradroute.PlanOptions() if args.chunk is None else gradroute.PlanOptions(chunk=args.chunk)
-    ckpt = not args.no_checkpointing
+    ckpt = not args.no_checkpointing and args.workload in CHECKPOINTING
+    if args.workload == "gan" and not args.iteration:
+        p.error("--workload gan needs --iteration")
     wl = build(
         args.workload,
         batch_size=args.batch_size,
         device=args.device,
         checkpointing=ckpt,
         latent_size=args.latent_size,
+        width=args.width,
     )
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast or "")
     if args.iteration:

@@ -96,6 +96,19 @@ class Loop:
                 return k + 1
         return limit
 
+    def chosen(self) -> str | None:
+        """The router's measured plan choice for this loop's graph (the chosen row of the plan's ``autotune``
+        note), or None (the hand-written loop, or a graph with one candidate). Runs a forward."""
+        if self.router is None:
+            return None
+        _, loss_up, loss_down = self.forward()
+        notes = self.router.plan(**{self.wl.up_name: loss_up, self.wl.down_name: loss_down}).notes
+        note = next((n for n in notes if n.startswith("autotune")), None)
+        if note is None:
+            return None
+        row = next((r.strip() for r in note.splitlines() if "<- chosen" in r), note.splitlines()[0])
+        return row.replace(" <- chosen", "")
+
 
 def make_loop(name: str, wl: Workload, dtype: str, *, scaler: bool, static_graph: bool | None = None) -> Loop:
     """The loop ``name`` (one of ``LOOPS``) on ``wl``, with ``SETUP``'s optimizers, schedulers and clipping."""

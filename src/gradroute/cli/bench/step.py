@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         for (name, loop), m in zip(loops.items(), times.values())
     }
     first = loops["gradroute"]
+    results["gradroute"]["autotune"] = first.chosen()
     setup = {**SETUP, "optimizer": f"AdamW ({first.optimizer_kind})", "scaler": first.scaler is not None}
     n_batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH[args.workload]
     del loops, ref, first
@@ -156,6 +157,8 @@ def _peaks(args: argparse.Namespace, dev: torch.device, dtype: str, results: dic
     peaks = run_children(argvs, progress)
     for name, v in results.items():
         v["peak_mib"], v["rest_mib"] = peaks[name].get("peak_mib"), peaks[name].get("rest_mib")
+        if peaks[name].get("autotune"):
+            v["memory_autotune"] = peaks[name]["autotune"]  # the child's own measured plan choice
         if "error" in peaks[name]:
             v["memory_error"] = peaks[name]["error"]
     how = sorted({str(p["method"]) for p in peaks.values() if "method" in p})
@@ -198,5 +201,6 @@ def child(args: argparse.Namespace) -> int:
             torch.cuda.synchronize(dev)
         peak = max(peak, (torch.cuda.max_memory_allocated(dev) if cuda else proc_status("VmHWM")) - base)
     method = "cuda max_memory_allocated" if cuda else "VmHWM, 1 thread"
-    print(json.dumps({"peak_mib": peak / 2**20, "rest_mib": rest / 2**20, "method": method}))
+    out = {"peak_mib": peak / 2**20, "rest_mib": rest / 2**20, "method": method, "autotune": loop.chosen()}
+    print(json.dumps(out))
     return 0

@@ -77,9 +77,13 @@ def step_table(report: dict[str, Any]) -> str:
         )
     errors = {name: v["memory_error"] for name, v in res.items() if v.get("memory_error")}
     targets = report.get("targets") or {}
-    if errors or targets:
+    chosen = [(what, res["gradroute"].get(key)) for what, key in (("timed", "autotune"), ("memory", "memory_autotune"))]
+    chosen = [(what, c) for what, c in chosen if c]
+    if errors or targets or chosen:
         lines.append("")
     lines += [f"- {name}: memory not measured: {e}" for name, e in errors.items()]
+    # the router's measured plan choice, made in each process: the timed loop's and the memory child's
+    lines += [f"- gradroute, measured plan choice ({what}): {c}" for what, c in chosen]
     for name, t in targets.items():
         bound = f" (target {t['target']}: {'met' if t['met'] else 'MISSED'})" if "target" in t else ""
         lines.append(f"- gradroute / hand_cut, {RATIOS[name][1]}: {t['ratio']:.3f}{bound}")

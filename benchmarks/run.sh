@@ -40,8 +40,32 @@ if "$PY" -c "import diffusers, transformers" 2>/dev/null; then
   PYTHONPATH=src "$PY" benchmarks/meta_floor.py > "$out/meta-floor.txt"
   # with checkpointing: the hand cut and the sum with torch's checkpoint, the routers with cut points
   PYTHONPATH=src "$PY" benchmarks/meta_floor.py --checkpointing cuts > "$out/meta-floor-cuts.txt"
+  # the whole training iteration with AdamW state at SD-1.5 scale, traced: its peak against the hand-written loop's
+  for a in "--no-checkpointing" "--kind gradroute,cuts"; do
+    PYTHONPATH=src "$PY" benchmarks/trace_memory.py --workload sd15 --device meta --batch-size 8 --iteration $a \
+      --targets "$(awk '$1 == "trace-iteration" { print $2 }' benchmarks/targets)"
+  done > "$out/trace-iteration.txt"
 fi
 bench gan              --workload gan --threads 1 --steps 20 --warmup 3
+# the whole training iteration (forward, routed backward, two fused AdamW, clipping, schedulers, zero_grad) of
+# the router's loop against torch's AMP recipe after the hand cut, interleaved; time and the whole iteration's
+# peak (the next forward included), ratios printed against benchmarks/targets
+target() { awk -v n="$1" '$1 == n { print $2 }' benchmarks/targets; }
+step() {
+  name=$1 regime=$2
+  shift 2
+  "$PY" -m gradroute bench --step "$@" --targets "$(target "step-$regime")" --json "$out/$name.json" | tee "$out/$name.txt"
+}
+step step-sd-tiny      compute --workload sd-tiny --steps 20 --warmup 3
+step step-sd-tiny-host host    --workload sd-tiny --width 8 --batch-size 1 --threads 1 --steps 30 --warmup 3
+step step-gan          compute --workload gan --threads 1 --steps 20 --warmup 3
+step step-gan-host     host    --workload gan --width 8 --batch-size 1 --threads 1 --steps 30 --warmup 3
+# the same iterations' peaks traced tensor by tensor (live bytes, no allocator or Python heap in them)
+for a in "sd-tiny --no-checkpointing" "sd-tiny --width 8 --batch-size 1 --no-checkpointing" "gan" \
+  "gan --width 8 --batch-size 1"; do
+  echo "== $a"
+  PYTHONPATH=src "$PY" benchmarks/trace_memory.py --iteration --workload $a --targets "$(target trace-iteration)"
+done > "$out/trace-iteration-cpu.txt"
 bench actor-critic     --workload actor-critic --steps 50 --warmup 3
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   bench sd15-b8        --workload sd15 --batch-size 8 --steps 15 --warmup 3

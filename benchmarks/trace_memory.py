@@ -8,6 +8,15 @@ own storages are not counted (a weight's transpose is a view of it); gradients a
     python benchmarks/trace_memory.py --chunk 40           # the planner's chunk size (``PlanOptions.chunk``)
     python benchmarks/trace_memory.py --no-checkpointing
     python benchmarks/trace_memory.py --workload sd15 --device meta --batch-size 32 --kind gradroute,cuts,blocks
+    python benchmarks/trace_memory.py --workload sd15 --device meta --batch-size 8 --no-checkpointing --iteration
+    python benchmarks/trace_memory.py --workload gan --iteration          # gan: whole iterations only
+
+``--iteration`` traces whole training iterations instead (``gradroute bench --step``'s loops: forward, backward,
+two AdamW with clipping and schedulers, zero_grad), the router's loop against the hand-written one, from the
+first iteration on, so that the optimizers' state (allocated on ``meta`` by their first step) counts; the peak
+is that of the iteration after two warm-up iterations and the router's measured plan choice, whose forward
+runs while the previous iteration's boundary and losses are still referenced. A
+loop that raises (on ``meta``: a step that reads a value on the host) is reported, not a failure.
 
 On the ``meta`` device nothing is computed, only shapes: the full SD-1.5 architecture at a GPU's batch traces
 in seconds. Attention then goes through the fused kernel a GPU would take (``F.scaled_dot_product_attention``
@@ -35,6 +44,9 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradroute
+from gradroute.cli.bench.loops import make_loop
+from gradroute.cli.bench.step_report import parse_targets
+from gradroute.cli.choices import CHECKPOINTING
 from gradroute.cli.workloads import Workload, build
 
 
@@ -176,9 +188,53 @@ def trace(
     return after_forward / 2**20, mode.peak / 2**20, mode.at, calls, flops.get_total_flops()
 
 
+def trace_iteration(
+    wl: Workload, name: str, kind: str, autocast: torch.dtype | None = None
+) -> tuple[float, float, str]:
+    """(bytes alive between two iterations, peak of the next iteration, where), bytes in MiB, of the loop
+    ``name`` of ``gradroute bench --step`` (``hand_cut`` or ``gradroute``), traced from its first iteration on.
+
+    ``kind``: the router's checkpoint (``gradroute``, ``cuts``, ``blocks``, ``torch``; ignored without
+    checkpointing); the hand-written loop uses ``torch.utils.checkpoint``.
+    """
+    if wl.set_checkpoint is not None:
+        wl.set_checkpoint(kind if name == "gradroute" else "torch")
+    params = {p.untyped_storage()._cdata for m in wl.groups.values() for p in m.parameters()}
+    loop = make_loop(name, wl, "fp32", scaler=False)  # no GradScaler on meta; --autocast emulates bf16/fp16
+    amp = emulated_autocast(autocast) if autocast is not None else contextlib.nullcontext()
+    with amp, LiveBytes(params) as mode:
+        for _ in range(2):
+            loop.iterate()
+        loop.settle()  # the router's measured plan choice done, as in the bench
+        loop.iterate()  # (the iteration that ends the choice still holds some of its tensors afterwards)
+        rest = mode.now
+        mode.peak, mode.at = mode.now, "rest"
+        loop.iterate()
+    chosen = loop.chosen()
+    return rest / 2**20, mode.peak / 2**20, mode.at + (f"; measured plan choice: {chosen}" if chosen else "")
+
+
+def iterations(wl: Workload, kinds: list[str], autocast: torch.dtype | None, bound: float | None) -> None:
+    """Prints the whole-iteration trace of the hand-written loop, then of the router's loop for every kind."""
+    hand = None
+    for name, kind in [("hand_cut", "torch"), *(("gradroute", k) for k in kinds)]:
+        label = name if name == "hand_cut" or wl.set_checkpoint is None else f"{name} ({kind})"
+        try:
+            rest, peak, at = trace_iteration(wl, name, kind, autocast)
+        except Exception as e:  # a loop that fails is a result
+            print(f"{label}: crashes: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}")
+            continue
+        hand = peak if name == "hand_cut" else hand
+        ratio = "" if hand is None or name == "hand_cut" else f" ({peak / hand:.3f}x hand_cut"
+        if ratio and bound is not None:
+            ratio += f"; target <= {bound}: {'met' if peak / hand <= bound else 'MISSED'}"
+        print(f"{label}: {rest:.2f} MiB between iterations, peak {peak:.2f} MiB{ratio + ')' if ratio else ''} at {at}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=("sd-tiny", "sd15"), default="sd-tiny")
+    p.add_argument("--workload", choices=("sd-tiny", "sd15", "gan"), default="sd-tiny", help="gan: --iteration only")
+    p.add_argument("--width", type=int, default=None, help="sd-tiny, gan: the model width (default per workload)")
     p.add_argument("--device", default="cpu", help="cpu (default) or meta (shapes only)")
     p.add_argument("--batch-size", type=int, default=None, help="default per workload")
     p.add_argument("--latent-size", type=int, default=None, help="sd15: latent height and width (default 64)")
@@ -196,23 +252,38 @@ def main() -> None:
         default=None,
         help="emulate CUDA autocast in the forward and the recomputations (emulated_autocast; default: fp32)",
     )
+    p.add_argument(
+        "--iteration",
+        action="store_true",
+        help="trace whole training iterations with AdamW state, the router's loop against the hand-written one",
+    )
+    p.add_argument("--targets", default=None, help="with --iteration: peak=BOUND, printed next to the ratio")
     args = p.parse_args()
     torch.set_num_threads(1)
     options = gradroute.PlanOptions() if args.chunk is None else gradroute.PlanOptions(chunk=args.chunk)
-    ckpt = not args.no_checkpointing
+    ckpt = not args.no_checkpointing and args.workload in CHECKPOINTING
+    if args.workload == "gan" and not args.iteration:
+        p.error("--workload gan needs --iteration")
     wl = build(
         args.workload,
         batch_size=args.batch_size,
         device=args.device,
         checkpointing=ckpt,
         latent_size=args.latent_size,
+        width=args.width,
     )
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast or "")
+    if args.iteration:
+        bound = parse_targets(args.targets).get("peak")
+        kinds = [k for k in args.kind.split(",") if not k.startswith("sum")] or ["gradroute"]
+        with fused_attention(args.device == "meta"):
+            iterations(wl, kinds if ckpt else ["gradroute"], low, bound)
+        return
     with fused_attention(args.device == "meta"):
         kinds = args.kind.split(",") if ckpt else ["gradroute"]
         kinds = kinds if kinds[0].startswith("sum") else ["sum", *kinds]
         floor = work = None
         for kind in kinds:
-            low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast or "")
             fwd, peak, at, calls, flops = trace(wl, kind, low, options)
             floor, work = floor or peak, work or flops
             name = kind if kind.startswith("sum") else f"gradroute ({kind if ckpt else 'no checkpointing'})"

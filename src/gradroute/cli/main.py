@@ -125,6 +125,18 @@ def _add_bench(sub: Any) -> None:
         default=None,
         help="also run every strategy through both networks compiled by gradroute.compile with this backend",
     )
+    bench.add_argument(
+        "--step",
+        action="store_true",
+        help="time and peak memory of the whole training iteration (forward, routed backward, two AdamW, "
+        "clipping, schedulers, a GradScaler with fp16), the router's loop against the hand-written one",
+    )
+    bench.add_argument(
+        "--targets",
+        default=None,
+        metavar="SPEC",
+        help="with --step: upper bounds printed next to the ratios to the hand-written loop, e.g. time=1.03,peak=1.01",
+    )
     bench.add_argument("--_one", default=None, help=argparse.SUPPRESS)  # child process of a CPU run
 
 

@@ -44,6 +44,12 @@ def parse_strategies(spec: str | None, checkpointing: bool = False) -> list[str]
 
 def run(args: argparse.Namespace) -> int:
     """``gradroute bench``; see ``gradroute bench --help``."""
+    if getattr(args, "step", False):
+        from .step import run as run_step
+
+        return run_step(args)
+    if getattr(args, "targets", None) is not None:
+        raise ValueError(f"`--targets` applies to `--step` only, got {args.targets!r}")
     if getattr(args, "_one", None):
         return child(args)
     strategies = parse_strategies(args.strategies, args.checkpointing)

@@ -41,6 +41,11 @@ def cuda_peak(r: Runner, strategy: str) -> float:
 
 def cpu_peaks(args: argparse.Namespace, dtype: str, strategies: list[str], progress: Any) -> dict[str, Any]:
     """Per strategy, ``{"peak_mib", "method"}`` from a child process of its own, or ``{"error"}``."""
+    return run_children({s: child_argv(args, dtype, s) for s in strategies}, progress)
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a measuring child process."""
     env = dict(os.environ)
     # every allocation of 64 KiB or more gets its own mapping, returned to the system when freed, so that
     # the resident set follows the live tensors instead of the allocator's free lists
@@ -48,9 +53,15 @@ def cpu_peaks(args: argparse.Namespace, dtype: str, strategies: list[str], progr
     env.setdefault("OMP_NUM_THREADS", "1")
     src = str(Path(os.path.abspath(gradroute.__file__)).parent.parent)  # the child imports this very gradroute
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_children(argvs: dict[str, list[str]], progress: Any) -> dict[str, Any]:
+    """Runs each command line (two at a time); per name, the JSON of its last line of output, or ``{"error"}``."""
+    env = child_env()
 
     def run_child(s: str) -> tuple[str, Any]:
-        proc = subprocess.run(_child_argv(args, dtype, s), env=env, capture_output=True, text=True, check=False)
+        proc = subprocess.run(argvs[s], env=env, capture_output=True, text=True, check=False)
         progress.update(1, s)
         if proc.returncode != 0:
             lines = (proc.stderr or proc.stdout).strip().splitlines()
@@ -58,12 +69,13 @@ def cpu_peaks(args: argparse.Namespace, dtype: str, strategies: list[str], progr
         return s, json.loads(proc.stdout.strip().splitlines()[-1])
 
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
-        return dict(pool.map(run_child, strategies))
+        return dict(pool.map(run_child, list(argvs)))
 
 
-def _child_argv(args: argparse.Namespace, dtype: str, strategy: str) -> list[str]:
+def child_argv(args: argparse.Namespace, dtype: str, strategy: str, device: str = "cpu") -> list[str]:
+    """The command line of the child process that measures ``strategy`` (``--_one``) on ``device``."""
     argv = [sys.executable, "-m", "gradroute", "bench", "--_one", strategy, "--workload", args.workload]
-    argv += ["--device", "cpu", "--dtype", dtype, "--seed", str(args.seed)]
+    argv += ["--device", device, "--dtype", dtype, "--seed", str(args.seed)]
     if args.batch_size is not None:
         argv += ["--batch-size", str(args.batch_size)]
     if args.width is not None:
@@ -99,18 +111,18 @@ def _rss_peak_of_step(r: Runner, strategy: str) -> tuple[float, str]:
 
     r.zero()
     gc.collect()
-    if _reset_hwm():
-        base = _proc_status("VmRSS")
+    if reset_hwm():
+        base = proc_status("VmRSS")
         r.step(strategy)
-        return max(0.0, _proc_status("VmHWM") - base), "VmHWM-VmRSS"
+        return max(0.0, proc_status("VmHWM") - base), "VmHWM-VmRSS"
     # no resettable high-water mark: ru_maxrss, which includes the setup's peak (a lower bound)
-    base = _proc_status("VmRSS") if os.path.exists("/proc/self/status") else 0
+    base = proc_status("VmRSS") if os.path.exists("/proc/self/status") else 0
     r.step(strategy)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return max(0.0, peak - base), "ru_maxrss-VmRSS (lower bound)"
 
 
-def _proc_status(key: str) -> int:
+def proc_status(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -118,7 +130,7 @@ def _proc_status(key: str) -> int:
     raise OSError(f"{key} not in /proc/self/status")
 
 
-def _reset_hwm() -> bool:
+def reset_hwm() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

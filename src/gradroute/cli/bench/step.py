@@ -1,0 +1,206 @@
+"""``gradroute bench --step``: the whole training iteration, the router's loop against the hand-written one.
+
+The loops (``gradroute.cli.bench.loops``) each train their own copy of the workload. What is measured:
+
+* **Time**: forward + routed backward + optimizer step (unscale, clipping, both optimizers, the scaler's
+  update, schedulers) + ``zero_grad``, per iteration, the loops taking turns iteration by iteration (round
+  robin, so that load from other processes hits both alike) after warm-up; medians and interquartile ranges of
+  ``torch.utils.benchmark.Measurement``, clocked with ``torch.utils.benchmark.timer`` (it synchronises CUDA).
+  Before timing, the router's measured plan choice runs untimed, and the hand-written loop runs as many
+  iterations, so that both loops have trained the same number of iterations on the same batch.
+* **Parameters**: their relative L2 difference between the two loops after every iteration above: both loops
+  train the same thing, so it is at rounding level (0 where both make the same kernels' calls).
+* **Peak memory of the whole iteration**, in a child process per loop (``--_one LOOP``), after warm-up
+  iterations (the optimizers' state exists) and the measured plan choice: the most memory in use at any point
+  of an iteration, counted from before the workload was built (after a throwaway copy of the loop ran two
+  iterations, so that code pages and lazy initialisations count in neither loop), so it includes the weights,
+  the optimizers' state, the gradients, and the previous iteration's boundary and losses, still referenced
+  during the next forward. CUDA: ``max_memory_allocated``; CPU: the resident set's high-water mark
+  (``VmHWM``, reset through ``/proc/self/clear_refs``; one thread; allocations of 64 KiB or more mapped on their
+  own, so that the resident set follows the live tensors; it also counts Python objects, such as the router's
+  plans, which matter only with tiny tensors). ``rest`` is the memory in use between two iterations.
+
+No target is built in: ``--targets time=1.03,peak=1.01`` prints each ratio to the hand-written loop against
+the bound given (``benchmarks/targets`` holds the project's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from typing import Any
+
+import torch
+from torch.utils.benchmark import Measurement, TaskSpec, timer
+
+from ..choices import DEFAULT_BATCH
+from ..common import rel_error, resolve_device
+from ..progress import Progress
+from ..workloads import build
+from .loops import LOOPS, SETUP, Loop, make_loop
+from .memory import child_argv, proc_status, reset_hwm, run_children
+from .report import device_name
+from .runner import bench_dtype
+from .step_report import parse_targets, step_table, step_targets
+
+
+def run(args: argparse.Namespace) -> int:
+    """``gradroute bench --step``; see ``gradroute bench --help``."""
+    if args._one:
+        return child(args)
+    _check_args(args)
+    bounds = parse_targets(args.targets)
+    dev = resolve_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = bench_dtype(args.dtype, dev)
+    loops = {name: loop_from_args(args, name, dev, dtype) for name in LOOPS}
+    progress = Progress(len(LOOPS) * (args.warmup + args.steps + 1), f"bench --step {args.workload}")
+    settled = loops["gradroute"].settle()
+    for _ in range(settled):
+        loops["hand_cut"].iterate()
+    times = _times(loops, args.steps, args.warmup, progress)
+    ref = loops[LOOPS[0]]
+    results: dict[str, dict[str, Any]] = {
+        name: {"ms": m.median * 1000, "iqr_ms": m.iqr * 1000, "param_diff": _param_diff(loop, ref)}
+        for (name, loop), m in zip(loops.items(), times.values())
+    }
+    first = loops["gradroute"]
+    results["gradroute"]["autotune"] = first.chosen()
+    setup = {**SETUP, "optimizer": f"AdamW ({first.optimizer_kind})", "scaler": first.scaler is not None}
+    n_batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH[args.workload]
+    del loops, ref, first
+    gc.collect()
+    method = _peaks(args, dev, dtype, results, progress)
+    progress.close()
+    report = {
+        "mode": "step",
+        "workload": args.workload,
+        "device": device_name(dev),
+        "torch": torch.__version__,
+        "batch": n_batch,
+        "dtype": dtype,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "settle": settled,
+        "checkpointing": bool(args.checkpointing),
+        "threads": torch.get_num_threads(),
+        "memory": method,
+        "setup": setup,
+        "results": results,
+    }
+    report["targets"] = step_targets(results, bounds)
+    print(step_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """What ``--step`` refuses, and the checks of ``--steps`` and ``--warmup``."""
+    for flag, value in (("--compile", args.compile), ("--strategies", args.strategies), ("--plot", args.plot)):
+        if value is not None:
+            raise ValueError(f"`{flag}` does not apply to `--step` (it compares two whole loops), got {value!r}")
+    if args.steps < 1:
+        raise ValueError(f"`--steps` must be >= 1, got {args.steps}")
+    if args.warmup < 0:
+        raise ValueError(f"`--warmup` must be >= 0, got {args.warmup}")
+
+
+def loop_from_args(args: argparse.Namespace, name: str, dev: torch.device, dtype: str) -> Loop:
+    """The loop ``name`` on a fresh copy of the workload the arguments name (a GradScaler with fp16)."""
+    wl = build(
+        args.workload,
+        batch_size=args.batch_size,
+        device=dev,
+        checkpointing=args.checkpointing,
+        seed=args.seed,
+        width=args.width,
+        latent_size=args.latent_size,
+    )
+    if wl.set_checkpoint is not None:
+        wl.set_checkpoint("torch")  # both loops with torch.utils.checkpoint
+    return make_loop(name, wl, dtype, scaler=dtype == "fp16", static_graph=args.static_graph)
+
+
+def _times(loops: dict[str, Loop], steps: int, warmup: int, progress: Any) -> dict[str, Measurement]:
+    """Seconds per timed iteration, per loop; the loops take turns iteration by iteration."""
+    raw: dict[str, list[float]] = {name: [] for name in loops}
+    for k in range(warmup + steps):
+        for name, loop in loops.items():
+            t0 = timer()
+            loop.iterate()
+            t = timer() - t0
+            if k >= warmup:
+                raw[name].append(t)
+            progress.update(1, f"{'warm-up' if k < warmup else 'time'} {name}")
+    return {
+        name: Measurement(1, times, TaskSpec(stmt=f"{name} iteration", setup="", label="bench --step"))
+        for name, times in raw.items()
+    }
+
+
+def _param_diff(loop: Loop, ref: Loop) -> float:
+    """The relative L2 difference of ``loop``'s parameters from ``ref``'s (float64)."""
+    return rel_error([p for ps in loop.params for p in ps], [p for ps in ref.params for p in ps])
+
+
+def _peaks(args: argparse.Namespace, dev: torch.device, dtype: str, results: dict[str, Any], progress: Any) -> str:
+    """Adds ``peak_mib`` and ``rest_mib`` (or ``memory_error``) to each loop's results; returns the method."""
+    if args.no_memory:
+        for v in results.values():
+            v.update(peak_mib=None, rest_mib=None)
+        return "not measured (--no-memory)"
+    argvs = {name: [*child_argv(args, dtype, name, str(dev)), "--step"] for name in LOOPS}
+    peaks = run_children(argvs, progress)
+    for name, v in results.items():
+        v["peak_mib"], v["rest_mib"] = peaks[name].get("peak_mib"), peaks[name].get("rest_mib")
+        if peaks[name].get("autotune"):
+            v["memory_autotune"] = peaks[name]["autotune"]  # the child's own measured plan choice
+        if "error" in peaks[name]:
+            v["memory_error"] = peaks[name]["error"]
+    how = sorted({str(p["method"]) for p in peaks.values() if "method" in p})
+    return f"peak of a whole iteration in a child process per loop, from before the workload ({', '.join(how)})"
+
+
+def child(args: argparse.Namespace) -> int:
+    """A memory child (``--step --_one LOOP``): the loop's peak and rest; prints one JSON line."""
+    dev = resolve_device(args.device)
+    torch.set_num_threads(1)
+    cuda = dev.type == "cuda"
+    if not cuda and not reset_hwm():
+        raise RuntimeError("the CPU peak needs /proc/self/clear_refs (Linux)")
+    dtype = bench_dtype(args.dtype, dev)
+    # a throwaway copy first: the code pages and lazy initialisations of the first iterations then count in
+    # the baseline, not in the loop's memory
+    spare = loop_from_args(args, args._one, dev, dtype)
+    for _ in range(2):
+        spare.iterate()
+    del spare
+    gc.collect()
+    base = torch.cuda.memory_allocated(dev) if cuda else proc_status("VmRSS")
+    loop = loop_from_args(args, args._one, dev, dtype)
+    for _ in range(2):  # warm-up: the optimizers' state, lazy initialisation, allocator pools
+        loop.iterate()
+    loop.settle()
+    loop.iterate()  # the iteration that ends the measured plan choice still holds some of its tensors after it
+    peak = rest = 0
+    for _ in range(2):
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize(dev)
+            rest = torch.cuda.memory_allocated(dev) - base
+            torch.cuda.reset_peak_memory_stats(dev)
+        else:
+            rest = proc_status("VmRSS") - base
+            reset_hwm()
+        loop.iterate()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        peak = max(peak, (torch.cuda.max_memory_allocated(dev) if cuda else proc_status("VmHWM")) - base)
+    method = "cuda max_memory_allocated" if cuda else "VmHWM, 1 thread"
+    out = {"peak_mib": peak / 2**20, "rest_mib": rest / 2**20, "method": method, "autotune": loop.chosen()}
+    print(json.dumps(out))
+    return 0

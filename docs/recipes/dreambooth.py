@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_seed(args.seed)
     text_encoder, unet, noise_scheduler = tiny.models(args.seed)  # from_pretrained(...) in the real script
     if args.gradient_checkpointing:
-        unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)  # gradroute
+        gradroute.enable_checkpointing(unet)  # gradroute: was unet.enable_gradient_checkpointing()
         if args.train_text_encoder:
             gradroute.enable_checkpointing(text_encoder)  # gradroute: was text_encoder.gradient_checkpointing_enable()
     params_to_optimize = (

@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text_encoder, unet, noise_scheduler = tiny.models(args.seed)  # from_pretrained(...) in the real script
     text_encoder.requires_grad_(args.train_text_encoder)
     if args.gradient_checkpointing:
-        unet.enable_gradient_checkpointing(gradient_checkpointing_func=gradroute.checkpoint)  # gradroute
+        gradroute.enable_checkpointing(unet)  # gradroute: was unet.enable_gradient_checkpointing()
         if args.train_text_encoder:
             gradroute.enable_checkpointing(text_encoder)  # gradroute: was text_encoder.gradient_checkpointing_enable()
     params_to_optimize = [{"params": list(unet.parameters()), "lr": args.learning_rate}]

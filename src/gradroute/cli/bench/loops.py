@@ -110,7 +110,7 @@ class Loop:
         return row.replace(" <- chosen", "")
 
 
-def make_loop(name: str, wl: Workload, dtype: str, *, scaler: bool, static_graph: bool | None = None) -> Loop:
+def make_loop(name: str, wl: Workload, dtype: str, *, scaler: bool, static_graph: bool = False) -> Loop:
     """The loop ``name`` (one of ``LOOPS``) on ``wl``, with ``SETUP``'s optimizers, schedulers and clipping."""
     if name not in LOOPS:
         raise ValueError(f"`name` must be one of {', '.join(LOOPS)}, got {name!r}")

@@ -45,6 +45,8 @@ API                                         releases      without it
 ``torch._dynamo.eval_frame.OptimizedModule``  all         (read only once ``torch._dynamo`` is imported: nothing
                                                           can be compiled before)
 ``torch._functorch.config.donated_buffer``  all           nothing to turn off (no donated buffers)
+``DistributedDataParallel``                  all           (a wrapper routed inside its forward is found only
+``._active_ddp_module``                                   when named or built into a group)
 ``GradScaler._found_inf_per_device``,       all           ``found_inf`` checks the unscaled gradients;
 ``._per_optimizer_states``, ``._scale``,                  the stage check is skipped; the scale and growth
 ``._growth_tracker``, ``._init_scale``,                   tracker are saved through ``state_dict()`` (a host
@@ -123,6 +125,7 @@ __all__ = [
     "StorageWeakRef",
     "TorchDispatchMode",
     "TorchPlaceholder",
+    "active_ddp_module",
     "aot_eager_backend",
     "aot_id_being_compiled",
     "aot_id_of",
@@ -448,6 +451,13 @@ def found_inf(scaler: Any, optimizer: Any) -> bool | None:
     if record is None:
         return None
     return bool(sum(float(v) for v in record(optimizer).values()))
+
+
+def active_ddp_module() -> Any:
+    """The ``DistributedDataParallel`` whose forward is running (the innermost), or None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return getattr(DistributedDataParallel, "_active_ddp_module", None)
 
 
 def found_inf_tensor(scaler: Any, optimizer: Any) -> torch.Tensor | None:

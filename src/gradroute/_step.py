@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ._compat import skips_on_device
-from ._distributed import GradSync, group_params
+from ._distributed import GradSync
 from ._group import Group
 from ._rollback import Rollback, Unscaled, hold_interrupt
 from ._scaler import Scaler
@@ -260,7 +260,7 @@ class Stepper:
         # step() is never called (optimizers stepped by hand) does not grow.
         self._losses: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}  # of the backward in progress
-        self._sync = GradSync(group_params(groups))  # DDP/FSDP2 wrappers: no gradient sync until a window's last
+        self._sync = GradSync(groups)  # DDP/FSDP2 wrappers: no gradient sync until a window's last
         self._sync.next_micro_batch(0, self.accumulate)
 
     # ------------------------------------------------------------------ backward

@@ -52,11 +52,12 @@ class Run:
         seed: int = 0,
         atomic_step: bool | str = True,
         hooks: str = "ab",
+        fused: bool = False,
     ) -> None:
         torch.manual_seed(seed)
         self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
         self.faults: dict[str, list[BaseException]] = {"hook_a": [], "hook_b": [], "sched_b": []}
-        self.opts = {n: FaultyAdamW(m.parameters(), lr=0.05) for n, m in (("a", self.a), ("b", self.b))}
+        self.opts = {n: FaultyAdamW(m.parameters(), lr=0.05, fused=fused) for n, m in (("a", self.a), ("b", self.b))}
         groups = {
             n: gradroute.Group(
                 m,
@@ -111,21 +112,22 @@ class Run:
 
 PREPARE_FAULTS = ["hook_a", "hook_b"]  # the first part of a step: undone by the default too
 APPLY_FAULTS = ["optimizer_b", "optimizer_b_after_update", "sched_b"]  # inside an optimizer's/scheduler's step
-CASES = [("copy", f, "ab") for f in PREPARE_FAULTS + APPLY_FAULTS] + [
-    (True, f, hooks)
-    for f in PREPARE_FAULTS
-    for hooks in ("ab", f[-1])  # one group without hook: rescaled back
-]
+# (atomic_step, fault, groups with a grad_hook, fused AdamW: skips on the device)
+CASES = (
+    [("copy", f, "ab", False) for f in PREPARE_FAULTS + APPLY_FAULTS]
+    + [("copy", f, "ab", True) for f in APPLY_FAULTS]
+    + [(True, f, hooks, fused) for f in PREPARE_FAULTS for hooks in ("ab", f[-1]) for fused in (False, True)]
+)
 
 
 @pytest.mark.parametrize("interrupt", [False, True])
 @pytest.mark.parametrize("scaler", [False, True, "other"])
-@pytest.mark.parametrize(("atomic_step", "fault", "hooks"), CASES)
+@pytest.mark.parametrize(("atomic_step", "fault", "hooks", "fused"), CASES)
 def test_failed_step_changes_nothing_and_a_retry_steps_once(
-    atomic_step: bool | str, fault: str, hooks: str, scaler: bool | str, interrupt: bool
+    atomic_step: bool | str, fault: str, hooks: str, fused: bool, scaler: bool | str, interrupt: bool
 ) -> None:
-    run = Run(scaler=scaler, atomic_step=atomic_step, hooks=hooks)
-    ref = Run(scaler=scaler, atomic_step=atomic_step, hooks=hooks)
+    run = Run(scaler=scaler, atomic_step=atomic_step, hooks=hooks, fused=fused)
+    ref = Run(scaler=scaler, atomic_step=atomic_step, hooks=hooks, fused=fused)
     for r in (run, ref):  # one clean step first: optimizer states, schedules and the scale are not fresh
         r.backward()
         r.router.step()

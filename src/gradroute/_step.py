@@ -423,7 +423,7 @@ class Stepper:
             if self._scaling:
                 if not skips_on_device(opt):
                     found = found_inf[name] = bool(found)  # what scaler.step itself reads: one sync per optimizer
-                if found is False:
+                if found is not True:  # it may step (a tensor: decided on the device)
                     undo.optimizer(g)
                 self.scaler.step(opt)
             elif isinstance(found, torch.Tensor) and skips_on_device(opt):

@@ -21,7 +21,8 @@ code and bad values can raise, without copying parameters or optimizer state:
    the first part), then each group's ``optimizer.step`` (through ``scaler.step``), ONE ``scaler.update``, the
    schedulers, and sets the gradients to None. A ``KeyboardInterrupt`` (SIGINT on the main thread, where the
    handler is Python's or the user's own) arriving during it is held and raised when the step has finished, so
-   Ctrl-C never leaves half the groups stepped.
+   Ctrl-C never leaves half the groups stepped (in every ``atomic_step`` mode). Only torch's own work runs
+   between the first optimizer step and the last scheduler step, unless an optimizer or scheduler is user code.
 4. What the default does not undo: an exception raised inside the second part itself, i.e. inside an
    optimizer's or a scheduler's own ``step()`` (an out-of-memory error while an optimizer allocates its state,
    a custom optimizer or a ``LambdaLR`` function that raises). Groups stepped before it keep their update; the

@@ -258,6 +258,12 @@ def _one_call_per_route(**kw):
     return tenc, unet, extra, groups, gradroute.Router(groups, autotune=False, **kw)
 
 
+def _under_ddp(groups, d_tenc, d_unet):
+    """The router of :func:`_one_call_per_route` with each group naming the DDP that holds it."""
+    named = {"tenc": gradroute.Group(groups["tenc"], ddp=d_tenc), "unet": gradroute.Group(groups["unet"], ddp=d_unet)}
+    return gradroute.Router(named, autotune=False, plan_options=gradroute.PlanOptions(split=False))
+
+
 def _routed_exactly(router, forward, groups, steps: int, method: str = "backward") -> None:
     """``steps`` routed backwards of ``forward`` (``router.backward`` or ``router.grads``), each from empty
     gradients, each against the reference."""
@@ -403,8 +409,10 @@ def test_default_plan_printout_under_ddp_does_not_say_backwards_follow(tmp_path)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        tenc, unet, extra, groups, router = _one_call_per_route()
-        forward = _chain(DDP(tenc), DDP(unet), extra)
+        tenc, unet, extra, groups, _ = _one_call_per_route()
+        d_tenc, d_unet = DDP(tenc), DDP(unet)
+        router = _under_ddp(groups, d_tenc, d_unet)
+        forward = _chain(d_tenc, d_unet, extra)
         _routed_exactly(router, forward, groups, steps=10)
         notes = [n for n in router.plan(**forward()).notes if n.startswith("walk:")]
         assert len(notes) == 1 and "Router(static_graph=True)" in notes[0] and "follow the paths" not in notes[0]
@@ -677,8 +685,9 @@ def test_default_follows_nothing_under_ddp(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        tenc, unet, extra, groups, router = _one_call_per_route()
+        tenc, unet, extra, groups, _ = _one_call_per_route()
         d_tenc, d_unet = DDP(tenc), DDP(unet)
+        router = _under_ddp(groups, d_tenc, d_unet)
         _routed_exactly(router, _chain(d_tenc, d_unet, extra), groups, steps=12)
         assert router._cache.located == 0
     finally:

@@ -4,10 +4,16 @@ Faults are injected where user code runs inside a step: a group's ``grad_hook``,
 after it has updated), its scheduler; as an ordinary exception and as a ``KeyboardInterrupt``. Each test
 compares the whole state (parameters, every ``.grad``, optimizer state, schedulers, scaler, counters) before
 and after with ``torch.equal``, then checks that the retried run is bit-identical to a run that never failed.
+
+``atomic_step="copy"`` undoes every fault; the default (by ordering, NOTE [Atomic step by ordering]) undoes the
+faults of the first part (hooks) exactly, holds a real Ctrl-C (SIGINT) until the step ends, and documents that
+an optimizer or scheduler raising inside its own ``step()`` is not undone.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -38,25 +44,37 @@ class FaultyAdamW(torch.optim.AdamW):
 class Run:
     """Two chained layers, AdamW + a LambdaLR schedule + clipping each, hooks that reweight in place."""
 
-    def __init__(self, *, scaler: bool, accumulate: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        scaler: bool | str,
+        accumulate: int = 1,
+        seed: int = 0,
+        atomic_step: bool | str = True,
+        hooks: str = "ab",
+        fused: bool = False,
+    ) -> None:
         torch.manual_seed(seed)
         self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
         self.faults: dict[str, list[BaseException]] = {"hook_a": [], "hook_b": [], "sched_b": []}
-        self.opts = {n: FaultyAdamW(m.parameters(), lr=0.05) for n, m in (("a", self.a), ("b", self.b))}
+        self.opts = {n: FaultyAdamW(m.parameters(), lr=0.05, fused=fused) for n, m in (("a", self.a), ("b", self.b))}
         groups = {
             n: gradroute.Group(
                 m,
                 optimizer=self.opts[n],
                 scheduler=torch.optim.lr_scheduler.LambdaLR(self.opts[n], self._schedule(n)),
                 max_grad_norm=0.5,
-                grad_hook=self._hook(n),
+                grad_hook=self._hook(n) if n in hooks else None,
             )
             for n, m in (("a", self.a), ("b", self.b))
         }
+        # "other": a scale that is not a power of two (an unscale is then not undone by multiplying)
+        kwargs = {"init_scale": 1000.0, "growth_factor": 1.5} if scaler == "other" else {"init_scale": 2.0**8}
         self.router = gradroute.Router(
             groups,
-            scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) if scaler else None,
+            scaler=torch.amp.GradScaler("cpu", growth_interval=1, **kwargs) if scaler else None,
             accumulate=accumulate,
+            atomic_step=atomic_step,
         )
         self.batch = 0
 
@@ -92,14 +110,24 @@ class Run:
             self.faults[fault].append(exc)
 
 
-FAULTS = ["hook_a", "hook_b", "optimizer_b", "optimizer_b_after_update", "sched_b"]
+PREPARE_FAULTS = ["hook_a", "hook_b"]  # the first part of a step: undone by the default too
+APPLY_FAULTS = ["optimizer_b", "optimizer_b_after_update", "sched_b"]  # inside an optimizer's/scheduler's step
+# (atomic_step, fault, groups with a grad_hook, fused AdamW: skips on the device)
+CASES = (
+    [("copy", f, "ab", False) for f in PREPARE_FAULTS + APPLY_FAULTS]
+    + [("copy", f, "ab", True) for f in APPLY_FAULTS]
+    + [(True, f, hooks, fused) for f in PREPARE_FAULTS for hooks in ("ab", f[-1]) for fused in (False, True)]
+)
 
 
 @pytest.mark.parametrize("interrupt", [False, True])
-@pytest.mark.parametrize("scaler", [False, True])
-@pytest.mark.parametrize("fault", FAULTS)
-def test_failed_step_changes_nothing_and_a_retry_steps_once(fault: str, scaler: bool, interrupt: bool) -> None:
-    run, ref = Run(scaler=scaler), Run(scaler=scaler)
+@pytest.mark.parametrize("scaler", [False, True, "other"])
+@pytest.mark.parametrize(("atomic_step", "fault", "hooks", "fused"), CASES)
+def test_failed_step_changes_nothing_and_a_retry_steps_once(
+    atomic_step: bool | str, fault: str, hooks: str, fused: bool, scaler: bool | str, interrupt: bool
+) -> None:
+    run = Run(scaler=scaler, atomic_step=atomic_step, hooks=hooks, fused=fused)
+    ref = Run(scaler=scaler, atomic_step=atomic_step, hooks=hooks, fused=fused)
     for r in (run, ref):  # one clean step first: optimizer states, schedules and the scale are not fresh
         r.backward()
         r.router.step()
@@ -117,6 +145,74 @@ def test_failed_step_changes_nothing_and_a_retry_steps_once(fault: str, scaler: 
         r.backward()
     assert run.router.step() == ref.router.step()
     assert_same(whole_state(ref.router), whole_state(run.router))
+
+
+def _counters(router: gradroute.Router) -> dict[str, Any]:
+    sd = router.state_dict()
+    return {k: sd[k] for k in ("micro_step", "steps", "backward_pending", "losses", "scaler")}
+
+
+@pytest.mark.parametrize("scaler", [False, True])
+@pytest.mark.parametrize("fault", APPLY_FAULTS)
+def test_default_step_raising_inside_an_optimizer_or_scheduler_keeps_its_updates_and_trains_on(
+    fault: str, scaler: bool
+) -> None:
+    """NOTE [Atomic step by ordering] rule 4: not undone, the groups stepped before keep their update, the
+    scaler and counters are put back, and after zero_grad() training goes on."""
+    run = Run(scaler=scaler)
+    run.backward()
+    run.router.step()
+    run.backward()
+    before, a_before = _counters(run.router), [p.detach().clone() for p in run.a.parameters()]
+    exc = RuntimeError("inside")
+    run.inject(fault, exc)
+    with pytest.raises(RuntimeError) as info:
+        run.router.step()
+    assert info.value is exc
+    assert_same(before, _counters(run.router))
+    assert not any(torch.equal(x, p) for x, p in zip(a_before, run.a.parameters(), strict=True))  # a stepped
+    run.router.zero_grad()
+    run.backward()
+    assert not run.router.step().accumulating
+    assert run.router.state_dict()["steps"] == 2
+
+
+class SignallingAdamW(torch.optim.AdamW):
+    """AdamW that sends this process a SIGINT (a Ctrl-C) from inside its step, once."""
+
+    signal_once = False
+
+    def step(self, closure: Any = None) -> Any:
+        out = super().step(closure)
+        if self.signal_once:
+            self.signal_once = False
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+
+@pytest.mark.parametrize("atomic_step", [True, "copy", False])
+def test_ctrl_c_inside_the_step_is_held_until_the_step_has_finished(atomic_step: bool | str) -> None:
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+        opts = [SignallingAdamW(m.parameters(), lr=0.1) for m in (a, b)]
+        router = gradroute.Router(
+            a=gradroute.Group(a, optimizer=opts[0], max_grad_norm=0.5),
+            b=gradroute.Group(b, optimizer=opts[1]),
+            atomic_step=atomic_step,
+        )
+        out = b(torch.tanh(a(torch.ones(2, 3))))
+        router.backward(a=out.pow(2).mean(), b=out.abs().mean())
+        runs.append((router, opts))
+    (run, opts), (ref, _) = runs
+    opts[0].signal_once = True  # between the two groups' optimizer steps
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        run.step()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ref.step()
+    assert_same(whole_state(ref), whole_state(run))  # the step finished: both groups stepped, counted, zeroed
 
 
 @pytest.mark.parametrize("scaler", [False, True])
@@ -141,12 +237,7 @@ def test_after_a_failed_step_zero_grad_and_a_new_backward_train_on(scaler: bool)
 
 
 def test_without_atomic_step_the_scaler_and_counters_are_still_put_back() -> None:
-    run = Run(scaler=True)
-    run.router = gradroute.Router(
-        {n: g for n, g in run.router.groups.items()},
-        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8),
-        atomic_step=False,
-    )
+    run = Run(scaler=True, atomic_step=False)
     run.backward()
     scale = run.router.state_dict()["scaler"]
     run.inject("optimizer_b", RuntimeError("once"))
@@ -159,7 +250,14 @@ def test_without_atomic_step_the_scaler_and_counters_are_still_put_back() -> Non
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])
-@pytest.mark.parametrize("arg", ["atomic_step", "skip_nonfinite"])
-def test_step_flag_not_a_bool_fails(arg: str, value: Any) -> None:
-    with pytest.raises(TypeError, match=rf"`{arg}` must be True or False, got {type(value).__name__}"):
-        gradroute.Router(a=nn.Linear(2, 2), **{arg: value})
+def test_skip_nonfinite_not_a_bool_fails(value: Any) -> None:
+    with pytest.raises(TypeError, match=rf"`skip_nonfinite` must be True or False, got {type(value).__name__}"):
+        gradroute.Router(a=nn.Linear(2, 2), skip_nonfinite=value)
+
+
+@pytest.mark.parametrize(("value", "error"), [(1, TypeError), (None, TypeError), ("yes", ValueError)])
+def test_atomic_step_other_than_true_false_copy_fails(value: Any, error: type) -> None:
+    name = type(value).__name__
+    with pytest.raises(error, match=rf"`atomic_step` must be True, False or 'copy', got .*{value!r}") as info:
+        gradroute.Router(a=nn.Linear(2, 2), atomic_step=value)
+    assert error is ValueError or name in str(info.value)

@@ -45,8 +45,13 @@ API                                         releases      without it
 ``torch._dynamo.eval_frame.OptimizedModule``  all         (read only once ``torch._dynamo`` is imported: nothing
                                                           can be compiled before)
 ``torch._functorch.config.donated_buffer``  all           nothing to turn off (no donated buffers)
+``DistributedDataParallel``                  all           (a wrapper routed inside its forward is found only
+``._active_ddp_module``                                   when named or built into a group)
 ``GradScaler._found_inf_per_device``,       all           ``found_inf`` checks the unscaled gradients;
-``._per_optimizer_states``                                the stage check is skipped
+``._per_optimizer_states``, ``._scale``,                  the stage check is skipped; the scale and growth
+``._growth_tracker``, ``._init_scale``,                   tracker are saved through ``state_dict()`` (a host
+``Optimizer._step_supports_amp_scaling``                  sync); a failed unscale is undone from copies
+(with ``.found_inf``/``.grad_scale``)
 FSDP2 (``fully_shard``) internals:
 ``torch.distributed._composable_state``     all           -
 FSDPState/FSDPParam module                  2.6+ [3]_     2.5: ``torch.distributed._composable.fsdp``
@@ -96,6 +101,7 @@ without hooks. The probe stops at the first live tensor, so at most one tensor p
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import re
 import sys
@@ -119,6 +125,7 @@ __all__ = [
     "StorageWeakRef",
     "TorchDispatchMode",
     "TorchPlaceholder",
+    "active_ddp_module",
     "aot_eager_backend",
     "aot_id_being_compiled",
     "aot_id_of",
@@ -134,6 +141,7 @@ __all__ = [
     "engine_run_backward",
     "engine_will_execute",
     "found_inf",
+    "found_inf_tensor",
     "fsdp_param_groups",
     "fsdp_states",
     "fully_shard",
@@ -159,10 +167,13 @@ __all__ = [
     "saved_data",
     "saved_items",
     "saved_state",
+    "scale_init",
+    "scale_tensors",
     "scale_uninitialised",
     "scaler_states",
     "set_device_states",
     "set_scaler_states",
+    "skips_on_device",
     "storage_id",
     "target_schema",
     "tree_map",
@@ -440,6 +451,55 @@ def found_inf(scaler: Any, optimizer: Any) -> bool | None:
     if record is None:
         return None
     return bool(sum(float(v) for v in record(optimizer).values()))
+
+
+def active_ddp_module() -> Any:
+    """The ``DistributedDataParallel`` whose forward is running (the innermost), or None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return getattr(DistributedDataParallel, "_active_ddp_module", None)
+
+
+def found_inf_tensor(scaler: Any, optimizer: Any) -> torch.Tensor | None:
+    """The record ``unscale_`` left for ``optimizer``, summed on the scale's device without a host sync (what
+    ``GradScaler.step`` hands a fused optimizer as ``found_inf``); None if unknown or empty."""
+    record = getattr(scaler, "_found_inf_per_device", None)
+    scale = getattr(scaler, "_scale", None)
+    if record is None or not isinstance(scale, torch.Tensor):
+        return None
+    values = list(record(optimizer).values())
+    if not values:
+        return None
+    # a copy: ``update()`` adds the other optimizers' records into the first one's tensor in place
+    total = values[0].to(scale.device, non_blocking=True, copy=True)
+    for v in values[1:]:
+        total = total + v.to(scale.device, non_blocking=True)
+    return total  # type: ignore[no-any-return]
+
+
+def scale_tensors(scaler: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``GradScaler._scale`` and ``._growth_tracker`` (changed in place by ``update()``), None where missing."""
+    scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+    if isinstance(scale, torch.Tensor) and isinstance(tracker, torch.Tensor):
+        return scale, tracker
+    return None
+
+
+def scale_init(scaler: Any) -> float | None:
+    """``GradScaler._init_scale``: the scale it starts from (``load_state_dict`` sets it too), None if missing."""
+    value = getattr(scaler, "_init_scale", None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def skips_on_device(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()`` reads ``found_inf``/``grad_scale`` attributes and skips its update on the
+    device (``_step_supports_amp_scaling``: torch's fused Adam, AdamW, SGD), as ``GradScaler.step`` uses it."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    try:  # the deprecated protocol takes a ``grad_scaler`` argument instead of the two attributes
+        return "grad_scaler" not in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a step without a signature
+        return False
 
 
 def scaler_states(scaler: Any) -> dict[int, Any] | None:

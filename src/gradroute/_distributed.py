@@ -32,15 +32,15 @@ unsharded gradients into the sharded ``.grad`` as after a plain backward.
 
 from __future__ import annotations
 
-import gc
 import sys
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ._compat import fsdp_param_groups, fsdp_states, unsharded_param
+from ._compat import active_ddp_module, fsdp_param_groups, fsdp_states, unsharded_param
 from ._types import Route
 
 _FSDP_INTERNALS = (
@@ -123,22 +123,33 @@ def _ddp_class() -> type | None:
     return DistributedDataParallel
 
 
-def find_ddp(params: Iterable[torch.Tensor]) -> list[Any]:
-    """The live ``DistributedDataParallel`` modules that hold any of ``params``.
+def find_ddp(groups: Iterable[Any], *, modules: bool = True) -> list[Any]:
+    r"""The ``DistributedDataParallel`` modules that hold any of the parameters of ``groups`` (``Group``\ s).
 
-    DDP keeps no registry and leaves no mark on the parameters it wraps, so this scans the objects the garbage
-    collector tracks (a fraction of a second on a large process; :class:`GradSync` does it at most twice).
-    Empty unless ``torch.distributed`` is initialized.
+    DDP keeps no registry and leaves no mark on the parameters or the module it wraps, so the wrappers are
+    found where the router can see them, without scanning the process's objects: a group's ``ddp``; the module
+    a group was built from and its submodules (a group built from the wrapper); the wrapper whose forward is
+    running (``DistributedDataParallel._active_ddp_module``: losses routed inside its forward, as Lightning
+    does). ``modules=False`` looks at the running wrapper only. Empty unless ``torch.distributed`` is
+    initialized.
     """
-    ddp_class = _ddp_class()
+    ddp_class: Any = _ddp_class()
     if ddp_class is None:
         return []
-    ids = {id(p) for p in params}
-    found = []
-    for obj in gc.get_objects():
-        if issubclass(type(obj), ddp_class) and any(id(p) in ids for p in obj.module.parameters()):
-            found.append(obj)
-    return found
+    groups = list(groups)
+    found: dict[int, Any] = {}
+    for g in groups if modules else ():
+        source = g.source() if g.source is not None else None
+        candidates = [g.ddp, *(source.modules() if source is not None else ())]
+        for m in candidates:
+            if isinstance(m, ddp_class):
+                found.setdefault(id(m), m)
+    active: Any = active_ddp_module()
+    if isinstance(active, ddp_class) and id(active) not in found:
+        ids = {id(p) for g in groups for p in g.params}
+        if any(id(p) in ids for p in active.module.parameters()):
+            found[id(active)] = active
+    return list(found.values())
 
 
 def find_fsdp(params: Iterable[torch.Tensor]) -> list[torch.nn.Module]:
@@ -164,17 +175,21 @@ class GradSync:
     switched (a ``no_sync()`` of the caller's own is left alone).
 
     Args:
-        params: every parameter of the router's groups.
+        groups: the router's groups (``name -> Group``).
     """
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._params = tuple(params)
+    def __init__(self, groups: Mapping[str, Any]) -> None:
+        self._groups = tuple(groups.values())
+        self._params = tuple(group_params(groups))
         self._ddp: list[weakref.ref[Any]] = []
         self._rescanned = False
         self._scan()
 
-    def _scan(self) -> None:
-        self._ddp = [weakref.ref(m) for m in find_ddp(self._params)]
+    def _scan(self, modules: bool = True) -> None:
+        known = {id(m): r for r, m in ((r, r()) for r in self._ddp) if m is not None}
+        for m in find_ddp(self._groups, modules=modules):
+            known.setdefault(id(m), weakref.ref(m))
+        self._ddp = list(known.values())
 
     def ddp(self) -> list[Any]:
         """The DDP modules found (alive)."""
@@ -188,9 +203,20 @@ class GradSync:
                 ``find_unused_parameters``) that synchronizes this backward and holds trainable parameters
                 the routed groups leave out (DDP would wait for their gradients).
         """
-        if not self._rescanned:  # the wrappers may have been built after the router: look once more
-            self._rescanned = True
-            self._scan()
+        # wrapped after the router was built: the groups' modules once more; a wrapper whose forward is
+        # running: on every backward (one class attribute read)
+        first = not self._rescanned
+        self._scan(modules=first)
+        self._rescanned = True
+        if first and not self._ddp and _ddp_class() is not None and not has_dtensor(self._params):
+            warnings.warn(
+                "torch.distributed is initialized but gradroute sees no DistributedDataParallel wrapper of the "
+                "groups' parameters. If one wraps them, name it (gradroute.Group(module, ddp=wrapper)) or build "
+                "the group from the wrapper: gradroute then refuses what DDP cannot do with routed passes "
+                "(static_graph=True, a synchronizing backward that leaves some of its parameters out) and skips "
+                "its all-reduce on accumulation micro-batches",
+                stacklevel=4,
+            )
         modules = self.ddp()
         if not modules:
             return

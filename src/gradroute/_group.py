@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,10 @@ class Group:
         scheduler: an LR scheduler bound to ``optimizer``, stepped once per real optimizer step.
         max_grad_norm: clip the group's unscaled gradients to this total 2-norm before stepping.
         grad_hook: called with the group's parameters after their gradients are unscaled, before clipping.
+        ddp: the ``DistributedDataParallel`` wrapper that holds these parameters, when the group is not built
+            from the wrapper itself (e.g. one DDP around both networks, the groups built from its submodules).
+            A wrapper is otherwise found without being named when ``params`` is the wrapper or contains it,
+            or when the losses are computed and routed inside the wrapper's forward (Lightning).
 
     Example:
         >>> import torch, gradroute
@@ -41,15 +46,26 @@ class Group:
     scheduler: Any = None
     max_grad_norm: float | None = None
     grad_hook: GradHook | None = None
+    ddp: Any = None
     name: str = field(default="", repr=False)
     #: ``id(param) -> name`` from ``named_parameters()`` when the group was given as a module (for messages).
     param_names: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+    #: The module the group was built from (weakly), where DDP wrappers are looked for.
+    source: weakref.ref[nn.Module] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.params, nn.Module):
             self.param_names = {id(p): n for n, p in self.params.named_parameters()}
+            self.source = weakref.ref(self.params)
         elif isinstance(self.params, Group):
             self.param_names = dict(self.params.param_names)
+            self.source = self.params.source
+            if self.ddp is None:
+                self.ddp = self.params.ddp
+        if self.ddp is not None and not isinstance(self.ddp, nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                f"`ddp` must be a torch.nn.parallel.DistributedDataParallel or None, got {type(self.ddp).__name__}"
+            )
         self.params = _resolve_params(self.params, self.name or "params")
         if self.max_grad_norm is not None:
             if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)):

@@ -1,30 +1,56 @@
-"""Undo for ``router.step()`` and ``router.load_state_dict()``: copies of what they may change, put back on failure.
+"""Undo for ``router.step()`` and ``router.load_state_dict()``: what a failed step puts back, and how.
+
+NOTE [Atomic step by ordering]
+The default ``Router(atomic_step=True)`` keeps "a failed ``step()`` leaves everything as before" for what user
+code and bad values can raise, without copying parameters or optimizer state:
+
+1. A real step runs in two parts. The first (``prepare``) does everything that can fail on the user's or the
+   values' account: the checks, ``scaler.unscale_`` per group and its found-inf records, every ``grad_hook``,
+   the gradient norms, the learning rates read for the stats. It changes nothing but the gradients (unscale,
+   hooks) and the scaler's per-optimizer records.
+2. A failure in the first part is undone exactly. The scaler's records are put back (a dictionary, no tensor
+   is copied). An unscaled gradient is multiplied back by the scale it was divided by: ``unscale_`` multiplies
+   by ``1/scale``, and when the scale is a power of two (its initial or loaded value and its growth and backoff
+   factors all are, as torch's defaults) both products are exact, unless an unscaled value is subnormal (below
+   2**-126 in magnitude), where the last bits were already lost. When the scale can be another number, the
+   stepped groups' gradients are copied before the unscale instead. A group with a ``grad_hook`` has its
+   gradients copied before its hook runs (a hook may change them in place and then raise); those copies are
+   dropped when the first part ends, before any optimizer allocates.
+3. The second part (``apply``) changes things irreversibly and runs no user code of the router's own: it
+   applies the clipping (a multiplication by ``max_norm / norm``, not exactly invertible, so it is not done in
+   the first part), then each group's ``optimizer.step`` (through ``scaler.step``), ONE ``scaler.update``, the
+   schedulers, and sets the gradients to None. A ``KeyboardInterrupt`` (SIGINT on the main thread, where the
+   handler is Python's or the user's own) arriving during it is held and raised when the step has finished, so
+   Ctrl-C never leaves half the groups stepped (in every ``atomic_step`` mode). Only torch's own work runs
+   between the first optimizer step and the last scheduler step, unless an optimizer or scheduler is user code.
+4. What the default does not undo: an exception raised inside the second part itself, i.e. inside an
+   optimizer's or a scheduler's own ``step()`` (an out-of-memory error while an optimizer allocates its state,
+   a custom optimizer or a ``LambdaLR`` function that raises). Groups stepped before it keep their update; the
+   scaler and the router's counters are put back (a later ``step()`` is accepted), so call ``zero_grad()`` and
+   go on, or load a checkpoint. ``Router(atomic_step="copy")`` undoes that too, with copies (NOTE [A step is a
+   transaction]); ``atomic_step=False`` undoes neither part's changes to gradients.
 
 NOTE [A step is a transaction]
-A real step changes, group by group, the gradients (unscale, ``grad_hook``, clipping), the parameters and the
-optimizer state (``optimizer.step``), the schedule (``scheduler.step``) and, once, the GradScaler
-(``unscale_`` records, ``update``). Any of these can raise: user code in a hook or a custom optimizer, an
-out-of-memory error, a Ctrl-C between two groups. Without an undo, a failed step leaves some groups stepped
-and others not (a retry steps the first ones twice) and the scaler with an optimizer in stage UNSCALED, which
-refuses every later iteration.
+With ``Router(atomic_step="copy")`` a real step is a transaction: each change is preceded by a copy of exactly
+what it touches: the gradients of the groups that step before the first unscale, the parameters and optimizer
+state of a group before its optimizer steps, the schedulers before they step; the scaler's state once at the
+start. On any exception (``BaseException``: ``KeyboardInterrupt`` too) the copies are written back, in place
+where the tensor is still there (so DDP's gradient buckets and anything else holding a reference stay valid),
+and the exception propagates unchanged. The copies are dropped when the step returns: while it runs, they cost
+one more copy of the stepped groups' gradients, parameters and optimizer state (with AdamW about four times
+the parameters' bytes more at the step's peak). ``load_state_dict`` always undoes this way.
 
-So each change is preceded by a copy of exactly what it touches: the gradients of the groups that step
-before the first unscale, the parameters and optimizer state of a group before its optimizer steps, the
-schedulers before they step; the scaler's state once at the start. On any exception (``BaseException``:
-``KeyboardInterrupt`` too) the copies are written back, in place where the tensor is still there (so DDP's
-gradient buckets and anything else holding a reference stay valid), and the exception propagates unchanged.
-The copies are dropped when the step returns: while it runs, they cost one more copy of the stepped groups'
-gradients, parameters and optimizer state (``Router(atomic_step=False)`` saves that memory and gives up the
-undo of parameters, gradients and optimizer state; the scaler and the counters are still put back).
-
-What an undo cannot reach: optimizer attributes outside ``state`` and ``param_groups``, and side effects of
-user code (a hook that logged, a file written).
+What no undo can reach: optimizer attributes outside ``state`` and ``param_groups``, and side effects of user
+code (a hook that logged, a file written).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+import signal
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -130,3 +156,82 @@ def _restore_hyper(param_groups: list[dict[str, Any]], saved: list[dict[str, Any
         for k in [k for k in pg if k not in old]:
             del pg[k]
         pg.update(old)
+
+
+class Unscaled:
+    """The exact undo of the first part of a default step (NOTE [Atomic step by ordering], rule 2).
+
+    Args:
+        scale: the scale the gradients were scaled by (a tensor, or a float), None without a scaler.
+        copy_all: copy every stepped gradient before the unscale (the scale may not be a power of two).
+    """
+
+    def __init__(self, scale: torch.Tensor | float | None, *, copy_all: bool) -> None:
+        self._scale = scale
+        self._copy_all = copy_all
+        self._unscaled: list[torch.Tensor] = []  # parameters whose gradient was divided by the scale
+        self._saved: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (its grad, a copy)
+
+    def _keep(self, params: Iterable[torch.Tensor]) -> None:
+        for p in params:
+            if p.grad is not None and p not in self._saved:
+                self._saved[p] = (p.grad, p.grad.detach().clone())
+
+    def before_unscale(self, g: Group) -> None:
+        """``g``'s gradients are about to be unscaled."""
+        if self._copy_all:
+            self._keep(g.params)
+        else:
+            self._unscaled.extend(p for p in g.params if p.grad is not None and p not in self._saved)
+
+    def before_hook(self, g: Group) -> None:
+        """``g``'s ``grad_hook`` is about to run: it may change the gradients in place before it raises."""
+        self._keep(g.params)
+
+    def restore(self) -> None:
+        """Put every gradient back as it was before the step."""
+        for p, (grad, saved) in self._saved.items():
+            with torch.no_grad():
+                grad.copy_(saved)
+            p.grad = grad
+        # the unscaled ones (a hooked group's copy was taken after its unscale): times the scale, exactly
+        scale = self._scale
+        if scale is not None:
+            with torch.no_grad():
+                for p in self._unscaled:
+                    if p.grad is not None:
+                        p.grad.mul_(scale.to(p.grad.device) if isinstance(scale, torch.Tensor) else scale)
+        self.clear()
+
+    def clear(self) -> None:
+        """The first part succeeded: drop the copies."""
+        self._saved = {}
+        self._unscaled = []
+
+
+@contextlib.contextmanager
+def hold_interrupt() -> Iterator[None]:
+    """Hold a SIGINT that arrives inside the block and deliver it when the block ends (NOTE [Atomic step by
+    ordering], rule 3). Only on the main thread, and only where the SIGINT handler is a Python callable
+    (Python's ``default_int_handler`` or the user's own); elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    held: list[Any] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        held.append((signum, frame))
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    except BaseException:
+        signal.signal(signal.SIGINT, previous)
+        raise  # already failing: that exception propagates (the held Ctrl-C is dropped with the step's result)
+    signal.signal(signal.SIGINT, previous)
+    if held:
+        previous(*held[0])

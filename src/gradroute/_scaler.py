@@ -11,21 +11,36 @@ public API can tell.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._compat import found_inf, scale_uninitialised, scaler_states, set_scaler_states
+from ._compat import (
+    found_inf,
+    found_inf_tensor,
+    scale_init,
+    scale_tensors,
+    scale_uninitialised,
+    scaler_states,
+    set_scaler_states,
+)
 
 
 @dataclass(frozen=True)
 class ScalerSnapshot:
-    """What :meth:`Scaler.snapshot` saved: the public state, and the per-optimizer records of the iteration."""
+    """What :meth:`Scaler.snapshot` saved: the public state (or copies of the scale and growth tracker
+    tensors, taken without a host sync), and the per-optimizer records of the iteration."""
 
-    public: dict[str, Any]
+    public: dict[str, Any] | None
     per_optimizer: dict[int, dict[str, Any]] | None
+    tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _power_of_two(x: float | None) -> bool:
+    return x is not None and math.isfinite(x) and x > 0 and math.frexp(x)[0] == 0.5
 
 
 class Scaler:
@@ -65,16 +80,46 @@ class Scaler:
             return skipped
         return not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
 
+    def found_inf_tensor(self, optimizer: Any, params: list[torch.Tensor]) -> torch.Tensor | bool:
+        """What :meth:`found_inf` tells, as the tensor ``unscale_`` recorded (no host sync); a bool where the
+        record is not there (then read from the gradients, with a sync)."""
+        record = found_inf_tensor(self.scaler, optimizer)
+        return record if record is not None else self.found_inf(optimizer, params)
+
+    def scale_tensor(self) -> torch.Tensor | float | None:
+        """A copy of the current scale, on its device (no host sync); None without an enabled scaler."""
+        if not self.enabled:
+            return None
+        tensors = scale_tensors(self.scaler)
+        if tensors is None:
+            return float(self.scaler.get_scale())
+        return tensors[0].detach().clone()
+
+    def unscale_is_exact(self) -> bool:
+        """Whether the scale is always a power of two (the scale it starts from, or was loaded with, and its
+        growth and backoff factors are), so that multiplying unscaled gradients by it gives them back exactly
+        (see NOTE [Atomic step by ordering])."""
+        try:
+            factors = (float(self.scaler.get_growth_factor()), float(self.scaler.get_backoff_factor()))
+        except (AttributeError, TypeError):  # a GradScaler look-alike without them
+            return False
+        return all(_power_of_two(x) for x in (scale_init(self.scaler), *factors))
+
     def ready_on(self, device: torch.device) -> None:
         """Create the scale tensor on ``device`` if the scaler has none yet (a scaler loaded from a state dict
         and stepped before any ``scale()`` call, as on a resume between ``backward`` and ``step``)."""
         if self.enabled and scale_uninitialised(self.scaler):
             self.scaler.scale(torch.zeros((), device=device))  # public: initialises the scale lazily
 
-    def snapshot(self) -> ScalerSnapshot | None:
-        """The scaler's state, to put back with :meth:`restore`; None without an enabled scaler."""
+    def snapshot(self, *, sync: bool = True) -> ScalerSnapshot | None:
+        """The scaler's state, to put back with :meth:`restore`; None without an enabled scaler.
+
+        ``sync=False`` copies the scale and growth tracker tensors on their device instead of reading
+        ``state_dict()`` (whose ``get_scale()`` waits for the device), where the scaler has them.
+        """
         if not self.enabled:
             return None
+        tensors = None if sync else scale_tensors(self.scaler)
         states = scaler_states(self.scaler)
         per_optimizer = None
         if states is not None:
@@ -85,13 +130,22 @@ class Scaler:
                 }
                 for k, v in states.items()
             }
+        if tensors is not None:
+            saved = (tensors[0].detach().clone(), tensors[1].detach().clone())
+            return ScalerSnapshot(public=None, per_optimizer=per_optimizer, tensors=saved)
         return ScalerSnapshot(public=dict(self.scaler.state_dict()), per_optimizer=per_optimizer)
 
     def restore(self, snap: ScalerSnapshot | None) -> None:
         """Put back what :meth:`snapshot` saved (scale and growth tracker in place, the iteration's records)."""
         if snap is None:
             return
-        self.scaler.load_state_dict(snap.public)
+        if snap.public is not None:
+            self.scaler.load_state_dict(snap.public)
+        current = scale_tensors(self.scaler)
+        if snap.tensors is not None and current is not None:
+            with torch.no_grad():
+                for now, saved in zip(current, snap.tensors, strict=True):
+                    now.copy_(saved)
         states = scaler_states(self.scaler)
         if snap.per_optimizer is not None and isinstance(states, defaultdict):
             fresh: defaultdict[int, Any] = defaultdict(states.default_factory)

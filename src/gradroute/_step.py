@@ -9,12 +9,19 @@ The order follows PyTorch's AMP notes for several models, losses and optimizers
    gradients are in), then each group's ``grad_hook`` (all groups unscaled, none stepped), then the grad norm
    and per-group clipping of the unscaled gradients, then ``scaler.step(opt)`` per group (an inf/NaN in one
    group's gradients skips only that group's optimizer), then ONE ``scaler.update()``, then the schedulers of
-   the groups whose optimizer really stepped, then ``.grad = None`` for every group.
+   the groups whose optimizer stepped, then ``.grad = None`` for every group.
 
-Everything that can be checked is checked before anything is touched (``_step_checks``), and the real step is
-a transaction (``_rollback``, see NOTE [A step is a transaction]): when anything raises inside it, a
-``grad_hook``, an optimizer, a scheduler, a Ctrl-C, the parameters, gradients, optimizer, scheduler and scaler
-state and the counters are put back as they were and the exception propagates unchanged.
+Everything that can be checked is checked before anything is touched (``_step_checks``). The real step runs in
+two parts (``_rollback``, NOTE [Atomic step by ordering]): what can fail on the user's account (unscale,
+hooks, norms) first, undone exactly and without copies of parameters or optimizer state if it raises; then the
+irreversible part (clip, optimizers, update, schedulers, zero), with Ctrl-C held until it ends.
+``atomic_step="copy"`` makes the whole step a transaction with copies (NOTE [A step is a transaction]).
+
+No host sync beyond the hand-written loop's: the scale, norms, losses and found-inf records stay tensors
+(``GroupStats`` reads them when accessed), and an optimizer that skips on the device (fused Adam, AdamW, SGD:
+``_step_supports_amp_scaling``) gets its found-inf as ``GradScaler.step`` hands it, with or without a scaler.
+An optimizer that cannot skip on the device needs the host to know: one read per such group (with a scaler,
+``scaler.step`` reads it too).
 """
 
 from __future__ import annotations
@@ -27,13 +34,15 @@ from typing import Any
 
 import torch
 
-from ._distributed import GradSync, group_params
+from ._compat import skips_on_device
+from ._distributed import GradSync
 from ._group import Group
-from ._rollback import Rollback
+from ._rollback import Rollback, Unscaled, hold_interrupt
 from ._scaler import Scaler
 from ._step_checks import (
     STATE_FORMAT,
     check_accumulate,
+    check_atomic_step,
     check_configured,
     check_flag,
     check_gradients,
@@ -53,9 +62,15 @@ class _Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-@dataclass(frozen=True)
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 class GroupStats:
     """What one :meth:`Router.step` did to one group.
+
+    The values a step computes on the device (loss, norm, whether a fused optimizer skipped) are kept as
+    tensors and read on first access, so a step whose statistics are not looked at waits for nothing.
 
     Attributes:
         loss: the group's loss, unscaled, averaged over the micro-batches of the step (the sum of the
@@ -70,7 +85,9 @@ class GroupStats:
         lrs: the same for every parameter group of the optimizer.
         skipped: on a real step, the group's optimizer did not update: its gradients hold inf/NaN (found by
             the ``GradScaler``, or, without one, a non-finite ``grad_norm``), or the group had no gradient at
-            all. Its scheduler was not stepped either. Always ``False`` on an accumulation micro-step.
+            all. Always ``False`` on an accumulation micro-step. The scheduler of a skipped group is not
+            stepped, except for an optimizer that skips on the device (fused Adam, AdamW, SGD: the host does
+            not know, and its scheduler steps, as in torch's AMP recipe).
         skip_reason: why it was skipped: ``"nonfinite"`` (inf/NaN gradients; without a scaler only with
             ``Router(skip_nonfinite=True)``, the default) or ``"no_grad"`` (no loss reached the group since
             the last step); ``None`` when not skipped.
@@ -87,12 +104,70 @@ class GroupStats:
         (True, 'nonfinite', False, 0.1)
     """
 
-    loss: float | None
-    grad_norm: float | None
-    lr: float
-    lrs: tuple[float, ...]
-    skipped: bool
-    skip_reason: str | None = None
+    __slots__ = ("_grad_norm", "_loss", "_lrs", "_no_grad", "_skipped")
+
+    def __init__(
+        self,
+        loss: Any,
+        grad_norm: float | torch.Tensor | None,
+        lr: Any = None,
+        lrs: tuple[Any, ...] = (),
+        skipped: bool | torch.Tensor = False,
+        skip_reason: str | None = None,
+    ) -> None:
+        self._loss = loss
+        self._grad_norm = grad_norm
+        self._lrs = tuple(lrs) if lrs else (lr,)
+        self._skipped = skipped
+        self._no_grad = skip_reason == "no_grad"
+
+    @property
+    def loss(self) -> float | None:
+        if self._loss is not None and not isinstance(self._loss, float):
+            self._loss = float(self._loss)
+        return self._loss
+
+    @property
+    def grad_norm(self) -> float | None:
+        if isinstance(self._grad_norm, torch.Tensor):
+            self._grad_norm = float(self._grad_norm)
+        return self._grad_norm
+
+    @property
+    def lrs(self) -> tuple[float, ...]:
+        if any(not isinstance(v, float) for v in self._lrs):
+            self._lrs = tuple(float(v) for v in self._lrs)
+        return self._lrs  # type: ignore[return-value]
+
+    @property
+    def lr(self) -> float:
+        return self.lrs[0]
+
+    @property
+    def skipped(self) -> bool:
+        if isinstance(self._skipped, torch.Tensor):
+            self._skipped = bool(self._skipped)
+        return self._skipped
+
+    @property
+    def skip_reason(self) -> str | None:
+        if self._no_grad:
+            return "no_grad"
+        return "nonfinite" if self.skipped else None
+
+    def _values(self) -> tuple[Any, ...]:
+        return (self.loss, self.grad_norm, self.lr, self.lrs, self.skipped, self.skip_reason)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GroupStats):
+            return NotImplemented
+        return self._values() == other._values()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        fields = ("loss", "grad_norm", "lr", "lrs", "skipped", "skip_reason")
+        return "GroupStats(" + ", ".join(f"{k}={v!r}" for k, v in zip(fields, self._values(), strict=True)) + ")"
 
 
 class StepStats(dict[str, GroupStats]):
@@ -122,7 +197,6 @@ class StepStats(dict[str, GroupStats]):
     micro_step: int
     accumulate: int
     step: int
-    scale: float | None
 
     def __init__(
         self,
@@ -132,14 +206,21 @@ class StepStats(dict[str, GroupStats]):
         micro_step: int,
         accumulate: int,
         step: int,
-        scale: float | None,
+        scale: float | torch.Tensor | None,
     ) -> None:
         super().__init__(groups)
         self.accumulating = accumulating
         self.micro_step = micro_step
         self.accumulate = accumulate
         self.step = step
-        self.scale = scale
+        self._scale = scale
+
+    @property
+    def scale(self) -> float | None:
+        """The scale the step's gradients were scaled by (read from the device on first access)."""
+        if isinstance(self._scale, torch.Tensor):
+            self._scale = float(self._scale)
+        return self._scale
 
     def __repr__(self) -> str:
         head = (
@@ -159,7 +240,7 @@ class Stepper:
         scaler: Any = None,
         accumulate: int = 1,
         skip_nonfinite: bool = True,
-        atomic_step: bool = True,
+        atomic_step: bool | str = True,
         window: Any = None,
     ) -> None:
         self.groups = groups
@@ -170,7 +251,7 @@ class Stepper:
         self.scaler = check_scaler(scaler)
         self._scaler = Scaler(self.scaler)
         self.skip_nonfinite = check_flag(skip_nonfinite, "skip_nonfinite")
-        self.atomic_step = check_flag(atomic_step, "atomic_step")
+        self.atomic_step = check_atomic_step(atomic_step)
         check_step_parts(groups)
         self._phase = _Phase.READY
         self._micro = 0  # micro-batches of the current window already closed by step()
@@ -179,7 +260,7 @@ class Stepper:
         # step() is never called (optimizers stepped by hand) does not grow.
         self._losses: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}  # of the backward in progress
-        self._sync = GradSync(group_params(groups))  # DDP/FSDP2 wrappers: no gradient sync until a window's last
+        self._sync = GradSync(groups)  # DDP/FSDP2 wrappers: no gradient sync until a window's last
         self._sync.next_micro_batch(0, self.accumulate)
 
     # ------------------------------------------------------------------ backward
@@ -254,95 +335,126 @@ class Stepper:
         check_gradients(active, self.groups, self._scaler)
         if self._scaling and active:
             self._scaler.ready_on(next(p.grad.device for g in active.values() for p in g.params if p.grad is not None))
-        undo = Rollback(enabled=self.atomic_step)
-        scaler_state = self._scaler.snapshot()
+        copying = self.atomic_step == "copy"
+        losses = self._losses  # of the window this step closes
+        undo = Rollback(enabled=copying)
+        scaler_state = self._scaler.snapshot(sync=copying)
         try:
-            stats, scale = self._real_step(active, undo)
+            undo.grads(active.values())
+            prepared = self._prepare(active)
         except BaseException:
             undo.restore()
             self._scaler.restore(scaler_state)
             raise
-        undo.clear()
-        self._commit()
+        with hold_interrupt():
+            try:
+                self._apply(active, prepared, undo)
+            except BaseException:
+                undo.restore()
+                self._scaler.restore(scaler_state)
+                raise
+            undo.clear()
+            self._commit()
         return StepStats(
-            stats, accumulating=False, micro_step=micro, accumulate=self._divisor(), step=self._steps, scale=scale
+            self._window_stats(active, prepared, losses),
+            accumulating=False,
+            micro_step=micro,
+            accumulate=self._divisor(),
+            step=self._steps,
+            scale=prepared.scale,
         )
 
-    def _real_step(self, active: dict[str, Group], undo: Rollback) -> tuple[dict[str, GroupStats], float | None]:
-        """Unscale, hooks, norms and clipping, optimizers, one scaler update, schedulers; each change preceded
-        by its copy in ``undo``. Nothing here touches the counters or zeroes a gradient."""
-        scale = float(self.scaler.get_scale()) if self._scaling else None
-        undo.grads(active.values())
-        found_inf = self._unscale(active)
-        _run_grad_hooks(active)
-        # Norm of the unscaled gradients; a non-finite one skips the group; clip the others.
-        norms = {name: self._norm_and_clip(g, found_inf, name) for name, g in active.items()}
-        lrs = {name: _lrs(g) for name, g in self.groups.items()}  # the learning rates this step uses
-        self._step_optimizers(active, found_inf, undo)
-        _step_schedulers(active, found_inf, undo)
-        return self._window_stats(active, found_inf, norms, lrs), scale
+    def _prepare(self, active: dict[str, Group]) -> _Prepared:
+        """The first part of a real step (NOTE [Atomic step by ordering]): unscale, hooks, norms, the learning
+        rates; undone exactly (default) if anything raises. No host sync."""
+        scale = self._scaler.scale_tensor()
+        exact = self.atomic_step is True
+        undo = Unscaled(scale, copy_all=exact and self._scaling and not self._scaler.unscale_is_exact())
+        try:
+            found_inf: dict[str, bool | torch.Tensor] = {}
+            for name, g in active.items():
+                if self._scaling:
+                    if exact:
+                        undo.before_unscale(g)
+                    self.scaler.unscale_(g.optimizer)
+                    found_inf[name] = self._scaler.found_inf_tensor(g.optimizer, list(g.params))
+                else:
+                    found_inf[name] = False
+            for g in active.values():
+                if g.grad_hook is not None:
+                    if exact:
+                        undo.before_hook(g)
+                    g.grad_hook([p for p in g.params if p.grad is not None])
+            norms = {name: _total_norm([p.grad for p in g.params if p.grad is not None]) for name, g in active.items()}
+            if not self._scaling and self.skip_nonfinite:
+                found_inf = {name: ~torch.isfinite(norms[name]) for name in active}
+            lrs = {name: _lrs(g) for name, g in self.groups.items()}  # the learning rates this step uses
+        except BaseException:
+            if exact:
+                undo.restore()
+            raise
+        undo.clear()
+        return _Prepared(scale=scale, found_inf=found_inf, norms=norms, lrs=lrs)
 
-    def _unscale(self, active: dict[str, Group]) -> dict[str, bool]:
-        """Unscale every optimizer once, all gradients being in; per group, whether GradScaler found an inf or
-        NaN (all False without a scaler)."""
-        found_inf: dict[str, bool] = {}
+    def _apply(self, active: dict[str, Group], prepared: _Prepared, undo: Rollback) -> None:
+        """The second part: clip, one optimizer step per group, ONE scaler update, the schedulers of the groups
+        that stepped. Nothing here touches the counters or zeroes a gradient."""
         for name, g in active.items():
+            if g.max_grad_norm is not None:  # a group found non-finite is skipped: clipping it changes nothing
+                clip = [p for p in g.params if p.grad is not None]
+                _clip_with_norm(clip, g.max_grad_norm, prepared.norms[name])
+        stepped = self._step_optimizers(active, prepared.found_inf, undo)
+        scheduled = [g for name, g in active.items() if g.scheduler is not None and stepped[name]]
+        undo.schedulers(scheduled)
+        for g in scheduled:
+            g.scheduler.step()
+
+    def _step_optimizers(
+        self, active: dict[str, Group], found_inf: dict[str, bool | torch.Tensor], undo: Rollback
+    ) -> dict[str, bool]:
+        """One optimizer step per group, then ONE scaler update. A group with inf/NaN gradients is skipped: on
+        the device by an optimizer that supports it (no host sync), else from the host. Returns, per group,
+        whether its schedule advances: False for a group skipped on the host."""
+        stepped: dict[str, bool] = {}
+        for name, g in active.items():
+            opt = g.optimizer
+            assert opt is not None  # checked by check_configured
+            found = found_inf[name]
             if self._scaling:
-                self.scaler.unscale_(g.optimizer)
-                found_inf[name] = self._scaler.found_inf(g.optimizer, list(g.params))
-            else:
-                found_inf[name] = False
-        return found_inf
-
-    def _step_optimizers(self, active: dict[str, Group], found_inf: dict[str, bool], undo: Rollback) -> None:
-        """One optimizer step per group (GradScaler skips a group with inf/NaN; without a scaler, a skipped
-        group is not stepped), then ONE scaler update."""
-        scaling = self._scaling
-        for name, g in active.items():
-            assert g.optimizer is not None  # checked by check_configured
-            if found_inf[name] and not scaling:
-                continue
-            if not found_inf[name]:
+                if not skips_on_device(opt):
+                    found = found_inf[name] = bool(found)  # what scaler.step itself reads: one sync per optimizer
+                if found is not True:  # it may step (a tensor: decided on the device)
+                    undo.optimizer(g)
+                self.scaler.step(opt)
+            elif isinstance(found, torch.Tensor) and skips_on_device(opt):
                 undo.optimizer(g)
-            if scaling:
-                self.scaler.step(g.optimizer)
+                _step_on_device(opt, found)
             else:
-                g.optimizer.step()
-        if scaling and active:
+                found = found_inf[name] = bool(found)  # an optimizer that cannot skip on the device: read it
+                if not found:
+                    undo.optimizer(g)
+                    opt.step()
+            stepped[name] = found is not True
+        if self._scaling and active:
             self.scaler.update()
+        return stepped
 
     def _window_stats(
-        self,
-        active: dict[str, Group],
-        found_inf: dict[str, bool],
-        norms: dict[str, float],
-        lrs: dict[str, tuple[float, ...]],
+        self, active: dict[str, Group], prepared: _Prepared, losses: dict[str, torch.Tensor]
     ) -> dict[str, GroupStats]:
-        """Per group: the window's mean loss, its gradient norm, the learning rates used, whether it skipped."""
-        losses = {name: float(total) / self._divisor() for name, total in self._losses.items()}
+        """Per group: the window's mean loss, its gradient norm, the learning rates used, whether it skipped.
+        Device values stay tensors (read when accessed)."""
+        divisor = self._divisor()
         return {
             name: GroupStats(
-                loss=losses.get(name),
-                grad_norm=norms.get(name),
-                lr=lrs[name][0],
-                lrs=lrs[name],
-                skipped=name not in active or found_inf[name],
-                skip_reason="no_grad" if name not in active else "nonfinite" if found_inf[name] else None,
+                loss=_Mean.of(losses.get(name), divisor),
+                grad_norm=prepared.norms.get(name),
+                lrs=prepared.lrs[name],
+                skipped=True if name not in active else prepared.found_inf[name],
+                skip_reason="no_grad" if name not in active else None,
             )
             for name in self.groups
         }
-
-    def _norm_and_clip(self, g: Group, found_inf: dict[str, bool], name: str) -> float:
-        """The total norm of ``g``'s unscaled gradients; clip them to ``max_grad_norm`` unless the group is
-        skipped. Without a scaler, a non-finite norm marks the group skipped (``skip_nonfinite``)."""
-        params = [p for p in g.params if p.grad is not None]
-        norm = _total_norm([p.grad for p in params if p.grad is not None])
-        value = float(norm)
-        if not self._scaling and self.skip_nonfinite and not math.isfinite(value):
-            found_inf[name] = True
-        if g.max_grad_norm is not None and not found_inf[name]:
-            _clip_with_norm(params, g.max_grad_norm, norm)
-        return value
 
     def _commit(self) -> None:
         """The step succeeded: zero every group (skipped ones too: their gradients may hold inf), count it."""
@@ -470,27 +582,54 @@ def _clip_with_norm(params: list[torch.Tensor], max_norm: float, total_norm: tor
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-def _run_grad_hooks(active: Mapping[str, Group]) -> None:
-    """Each group's ``grad_hook``, on its parameters that have a gradient: every group unscaled, none stepped."""
-    for g in active.values():
-        if g.grad_hook is not None:
-            g.grad_hook([p for p in g.params if p.grad is not None])
-
-
-def _step_schedulers(active: Mapping[str, Group], found_inf: Mapping[str, bool], undo: Rollback) -> None:
-    """Step the schedulers of the groups whose optimizer really stepped: they count updates applied."""
-    scheduled = [g for name, g in active.items() if g.scheduler is not None and not found_inf[name]]
-    undo.schedulers(scheduled)
-    for g in scheduled:
-        g.scheduler.step()
-
-
-def _lrs(g: Group) -> tuple[float, ...]:
+def _lrs(g: Group) -> tuple[Any, ...]:
+    """The learning rates of ``g``'s optimizer now: floats, or copies of tensor ones (read when the stats are)."""
     if g.optimizer is None:
         return (math.nan,)
-    return tuple(float(pg["lr"]) for pg in g.optimizer.param_groups)
+    return tuple(
+        pg["lr"].detach().clone() if isinstance(pg["lr"], torch.Tensor) else pg["lr"] for pg in g.optimizer.param_groups
+    )
 
 
 def _group_stats(g: Group, loss: float | None, norm: float | None, *, skipped: bool) -> GroupStats:
-    lrs = _lrs(g)
-    return GroupStats(loss=loss, grad_norm=norm, lr=lrs[0], lrs=lrs, skipped=skipped)
+    return GroupStats(loss=loss, grad_norm=norm, lrs=_lrs(g), skipped=skipped)
+
+
+def _step_on_device(opt: Any, found_inf: torch.Tensor) -> None:
+    """``opt.step()`` skipped on the device where ``found_inf`` is nonzero: the attributes ``GradScaler.step``
+    hands an optimizer that supports it (``grad_scale`` None: the gradients are already unscaled)."""
+    opt.grad_scale = None
+    opt.found_inf = found_inf.to(torch.float32).reshape(())
+    try:
+        opt.step()
+    finally:
+        del opt.grad_scale
+        del opt.found_inf
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What the first part of a real step found: the scale, per group whether its gradients are non-finite
+    (a bool, or a tensor when known on the device only), the norms, and the learning rates used."""
+
+    scale: torch.Tensor | float | None
+    found_inf: dict[str, bool | torch.Tensor]
+    norms: dict[str, torch.Tensor]
+    lrs: dict[str, tuple[Any, ...]]
+
+
+class _Mean:
+    """A window's summed loss divided by the micro-batch count, computed on the host when read (as a float64
+    division of the float32 sum, as before)."""
+
+    __slots__ = ("divisor", "total")
+
+    def __init__(self, total: torch.Tensor, divisor: int) -> None:
+        self.total, self.divisor = total, divisor
+
+    @staticmethod
+    def of(total: torch.Tensor | None, divisor: int) -> _Mean | None:
+        return None if total is None else _Mean(total, divisor)
+
+    def __float__(self) -> float:
+        return float(self.total) / self.divisor

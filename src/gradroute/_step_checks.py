@@ -54,6 +54,15 @@ def check_flag(value: Any, arg: str) -> bool:
     return value
 
 
+def check_atomic_step(value: Any) -> bool | str:
+    """``True`` (by ordering, the default), ``"copy"`` (full copies) or ``False`` (no undo of the groups)."""
+    if isinstance(value, bool) or value == "copy":
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, str):
+        raise ValueError(f"`atomic_step` must be True, False or 'copy', got {value!r}")
+    raise TypeError(f"`atomic_step` must be True, False or 'copy', got {type(value).__name__} ({value!r})")
+
+
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "get_scale", "is_enabled", "state_dict", "load_state_dict")
 
 

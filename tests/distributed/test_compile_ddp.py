@@ -23,8 +23,8 @@ def _compiled(rank: int, world: int) -> None:
             d_tenc, d_unet = DDP(tenc), DDP(compiled)
             forward = lambda x, d_tenc=d_tenc, d_unet=d_unet: d_unet(d_tenc(x))  # noqa: E731
         else:
-            forward = DDP(Chain(tenc, compiled))
-        router = gradroute.Router(tenc=tenc, unet=unet)
+            forward = d_tenc = d_unet = DDP(Chain(tenc, compiled))
+        router = gradroute.Router(tenc=gradroute.Group(tenc, ddp=d_tenc), unet=gradroute.Group(unet, ddp=d_unet))
         for step in range(2):
             router.zero_grad()
             router.backward(losses(forward, *batch(step, world, rank)))
@@ -40,8 +40,9 @@ def _compiled_around_ddp(rank: int, world: int) -> None:
     for compile_fn in (gradroute.compile, torch.compile):
         torch._dynamo.reset()
         tenc, unet = nets()
-        d_tenc, d_unet = DDP(tenc), compile_fn(DDP(unet), backend="aot_eager")
-        router = gradroute.Router(tenc=tenc, unet=unet)
+        d_unet_ddp = DDP(unet)
+        d_tenc, d_unet = DDP(tenc), compile_fn(d_unet_ddp, backend="aot_eager")
+        router = gradroute.Router(tenc=gradroute.Group(tenc, ddp=d_tenc), unet=gradroute.Group(unet, ddp=d_unet_ddp))
         for step in range(2):
             router.zero_grad()
             router.backward(losses(lambda x: d_unet(d_tenc(x)), *batch(step, world, rank)))  # noqa: B023

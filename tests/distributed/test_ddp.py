@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -48,6 +49,12 @@ def wrap(layout: str, tenc: torch.nn.Module, unet: torch.nn.Module, **kw) -> tup
     return both, [both]
 
 
+def groups_of(modules: list[DDP], tenc: torch.nn.Module, unet: torch.nn.Module, **kw) -> dict[str, gradroute.Group]:
+    """The groups, each naming the DDP that holds it (``Group(ddp=...)``: DDP leaves no mark to be found by)."""
+    d_tenc, d_unet = modules if len(modules) == 2 else modules * 2
+    return {"tenc": gradroute.Group(tenc, ddp=d_tenc, **kw), "unet": gradroute.Group(unet, ddp=d_unet, **kw)}
+
+
 def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real (not string) annotations
     """DDP's default all-reduce (average), counted."""
     state["all_reduces"] += 1
@@ -61,8 +68,8 @@ def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks 
 def _exact(rank: int, world: int) -> None:
     for layout, find_unused in LAYOUTS_X_FIND_UNUSED:
         tenc, unet = nets()
-        forward, _ = wrap(layout, tenc, unet, find_unused_parameters=find_unused)
-        router = gradroute.Router(tenc=tenc, unet=unet)
+        forward, modules = wrap(layout, tenc, unet, find_unused_parameters=find_unused)
+        router = gradroute.Router(groups_of(modules, tenc, unet))
         for step in range(2):
             router.zero_grad()
             router.backward(losses(forward, *batch(step, world, rank)))
@@ -100,8 +107,8 @@ def _checkpointed(rank: int, world: int) -> None:
     options = gradroute.PlanOptions(chunk=6)
     for layout in LAYOUTS:
         tenc, unet, ref_tenc, ref_unet = checkpointed_pair()
-        forward, _ = wrap(layout, tenc, unet)
-        router = gradroute.Router(tenc=tenc, unet=unet, plan_options=options)
+        forward, modules = wrap(layout, tenc, unet)
+        router = gradroute.Router(groups_of(modules, tenc, unet), plan_options=options)
         plan = router.plan(losses(forward, *batch(0, world, rank)))
         assert sum(c.groups == ("unet",) for c in plan.calls) >= 3, plan
         groups = {"tenc": list(ref_tenc.parameters()), "unet": list(ref_unet.parameters())}
@@ -140,7 +147,7 @@ def _head_param(rank: int, world: int) -> None:
 
     tenc, unet = Scaled(nets()[0]), nets()[1]
     d_tenc, d_unet = DDP(tenc), DDP(unet)
-    router = gradroute.Router(tenc=tenc, unet=unet)
+    router = gradroute.Router(tenc=d_tenc, unet=d_unet)  # groups built from the wrappers: found there
     ref_tenc, ref_unet = Scaled(nets()[0]), nets()[1]
     for step in range(2):
         router.zero_grad()
@@ -173,9 +180,10 @@ def _accumulate_one(rank: int, world: int, layout: str) -> None:
     counts = [{"all_reduces": 0} for _ in modules]
     for m, c in zip(modules, counts):
         m.register_comm_hook(c, counting_hook)
+    d_tenc, d_unet = modules if len(modules) == 2 else modules * 2
     router = gradroute.Router(
-        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=lr)),
-        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=lr)),
+        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=lr), ddp=d_tenc),
+        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=lr), ddp=d_unet),
         accumulate=micro,
     )
     ref_tenc, ref_unet = nets()
@@ -221,8 +229,8 @@ def _amp(rank: int, world: int) -> None:
     d_tenc, d_unet = DDP(tenc), DDP(unet)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     router = gradroute.Router(
-        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
-        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
+        tenc=gradroute.Group(d_tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
+        unet=gradroute.Group(d_unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
         scaler=scaler,
     )
     before = {n: [p.detach().clone() for p in m.parameters()] for n, m in (("tenc", tenc), ("unet", unet))}
@@ -266,8 +274,8 @@ def one_process_group(tmp_path) -> Iterator[None]:
 
 def test_ddp_static_graph_fails(one_process_group: None) -> None:
     tenc, unet = nets()
-    router = gradroute.Router(tenc=tenc, unet=unet)  # built before wrapping: found at the first backward
-    forward, _ = wrap("per_network", tenc, unet, static_graph=True)
+    forward, modules = wrap("per_network", tenc, unet, static_graph=True)
+    router = gradroute.Router(tenc=modules[0], unet=modules[1])  # groups built from the wrappers
     with pytest.raises(ValueError, match=r"static_graph=True.*static_graph=False"):
         router.backward(losses(forward, *batch(0, 1)))
     assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])
@@ -275,8 +283,8 @@ def test_ddp_static_graph_fails(one_process_group: None) -> None:
 
 def test_ddp_one_module_routing_part_of_its_groups_fails(one_process_group: None) -> None:
     tenc, unet = nets()
-    forward, _ = wrap("one_ddp", tenc, unet)
-    router = gradroute.Router(tenc=tenc, unet=unet)
+    forward, modules = wrap("one_ddp", tenc, unet)
+    router = gradroute.Router(groups_of(modules, tenc, unet))
     routed = losses(forward, *batch(0, 1))
     with pytest.raises(ValueError, match=r"4 of its trainable parameters \(e\.g\. `tenc\.0\.weight`\)"):
         router.backward(unet=routed["unet"])
@@ -286,7 +294,7 @@ def test_ddp_one_module_routing_part_of_its_groups_fails(one_process_group: None
 def test_ddp_one_module_under_no_sync_may_route_part_of_its_groups(one_process_group: None) -> None:
     tenc, unet = nets()
     forward, (ddp,) = wrap("one_ddp", tenc, unet)
-    router = gradroute.Router(tenc=tenc, unet=unet)
+    router = gradroute.Router(groups_of([ddp], tenc, unet))
     with ddp.no_sync():
         routed = losses(forward, *batch(0, 1))
         router.backward(unet=routed["unet"])
@@ -298,8 +306,44 @@ def test_ddp_without_process_group_finds_nothing() -> None:
     from gradroute._distributed import GradSync
 
     tenc, _ = nets()
-    sync = GradSync(list(tenc.parameters()))
+    sync = GradSync({"tenc": gradroute.Group(tenc)})
     assert sync.ddp() == []
+
+
+class Trainer(torch.nn.Module):
+    """Both networks and a router whose backward runs inside the module's forward (as in Lightning's
+    training_step, which runs inside DDP's forward)."""
+
+    def __init__(self, tenc: torch.nn.Module, unet: torch.nn.Module) -> None:
+        super().__init__()
+        self.tenc, self.unet = tenc, unet
+        self.router = gradroute.Router(tenc=tenc, unet=unet)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.router.backward(losses(lambda v: self.unet(self.tenc(v)), x, target, mask))
+        return torch.zeros(())
+
+
+def test_ddp_whose_forward_routes_is_found_without_being_named(one_process_group: None) -> None:
+    tenc, unet = nets()
+    trainer = Trainer(tenc, unet)
+    ddp = DDP(trainer, static_graph=True)  # found: refused as when named
+    with pytest.raises(ValueError, match=r"static_graph=True"):
+        ddp(*batch(0, 1))
+    assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])
+
+
+def test_ddp_not_named_and_not_reachable_is_said_once(one_process_group: None) -> None:
+    """What naming the wrapper is for: with one DDP around both networks and the groups built from the
+    networks, nothing in the process points from them to it (the static_graph check cannot see it)."""
+    tenc, unet = nets()
+    forward, _ = wrap("one_ddp", tenc, unet, static_graph=True)
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    with pytest.warns(UserWarning, match=r"no DistributedDataParallel wrapper.*Group\(module, ddp=wrapper\)"):
+        router.backward(losses(forward, *batch(0, 1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        router.backward(losses(forward, *batch(1, 1)))  # once
 
 
 # ---------------------------------------------------------------------- the demo under torchrun
@@ -325,3 +369,27 @@ def test_demo_runs_under_torchrun(tmp_path) -> None:
     assert report["settings"]["world_size"] == 2
     assert report["check"]["passed"]
     assert len(report["log"]) == 2
+
+
+def test_finding_ddp_scans_no_objects(one_process_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrappers are found from the groups, not by going through every object the collector tracks."""
+    import gc
+
+    def scan() -> list:
+        raise AssertionError("gc.get_objects() was called")
+
+    monkeypatch.setattr(gc, "get_objects", scan)
+    tenc, unet = nets()
+    forward, modules = wrap("per_network", tenc, unet, static_graph=True)
+    router = gradroute.Router(tenc=modules[0], unet=modules[1])
+    with pytest.raises(ValueError, match=r"static_graph=True"):
+        router.backward(losses(forward, *batch(0, 1)))
+
+
+@pytest.mark.parametrize("value", ["ddp", torch.nn.Linear(2, 2)])
+def test_group_ddp_not_a_ddp_fails(value: object) -> None:
+    with pytest.raises(
+        TypeError,
+        match=rf"`ddp` must be a torch.nn.parallel.DistributedDataParallel or None, got {type(value).__name__}",
+    ):
+        gradroute.Group(torch.nn.Linear(2, 2), ddp=value)

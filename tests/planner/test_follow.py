@@ -386,8 +386,10 @@ def test_static_graph_follows_nothing_under_ddp(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        tenc, unet, extra, groups, router = _one_call_per_route(static_graph=True)
+        tenc, unet, extra, groups, _ = _one_call_per_route()
         d_tenc, d_unet = DDP(tenc), DDP(unet)
+        named = {n: gradroute.Group(ps, ddp=d) for (n, ps), d in zip(groups.items(), (d_tenc, d_unet), strict=True)}
+        router = gradroute.Router(named, autotune=False, static_graph=True)
         _routed_exactly(router, _chain(d_tenc, d_unet, extra), groups, steps=12)
         assert router.graph_counts.followed == 0
     finally:

@@ -73,10 +73,13 @@ class Router:
         skip_nonfinite: without an enabled scaler, a group whose gradient norm is inf/NaN is not stepped (its
             ``GroupStats.skip_reason`` is ``"nonfinite"``), as GradScaler does with one. ``False`` keeps
             torch's behaviour: the optimizer steps and writes the inf/NaN into the parameters.
-        atomic_step: :meth:`step` is all-or-nothing: it keeps a copy of what it changes (the stepped groups'
-            gradients, parameters and optimizer state) until it returns, and puts everything back if anything
-            raises. ``False`` saves that memory; a failed step then leaves the groups as torch left them
-            (the scaler, schedulers and counters are still put back).
+        atomic_step: ``True`` (the default): a :meth:`step` that raises before any group changes irreversibly
+            (a ``grad_hook``, a bad value, Ctrl-C, which is held until the irreversible part ends) puts
+            everything back, without copying parameters, gradients or optimizer state; an exception inside an
+            optimizer's or scheduler's own ``step()`` is not undone (groups stepped before it keep their
+            update; the scaler and counters are put back). ``"copy"``: undoes that too, by copying the stepped
+            groups' gradients, parameters and optimizer state first (about 4x the parameters' bytes more at the
+            step's peak with AdamW). ``False``: no undo of gradients or parameters.
         autotune: measure the candidate plans of each new graph on its first routed backwards and keep the
             fastest within a memory tolerance (:class:`gradroute.Autotune`; ``True``: its defaults). Only graphs
             with ``gradroute.checkpoint`` segments that several engine calls enter have more than one default
@@ -114,7 +117,7 @@ class Router:
         allow_unreached: bool | Iterable[str] = False,
         plan_options: PlanOptions | None = None,
         skip_nonfinite: bool = True,
-        atomic_step: bool = True,
+        atomic_step: bool | str = True,
         accelerator: Any = None,
         autotune: bool | Autotune = True,
         static_graph: bool | int = False,
@@ -254,8 +257,9 @@ class Router:
         none stepped); the total norm of each group's unscaled gradients, clipped to ``max_grad_norm``;
         ``scaler.step`` per optimizer (inf/NaN in one group's gradients skips only that optimizer); ONE
         ``scaler.update()``; the scheduler of each group whose optimizer updated (an AMP-skipped or
-        gradient-less group's schedule does not advance: schedules count applied updates, and torch does not
-        warn about a scheduler stepped before its optimizer); ``.grad = None`` for every group. Without an
+        gradient-less group's schedule does not advance, except under a fused optimizer, which skips on the
+        device, unseen by the host: its schedule advances, as in torch's AMP recipe); ``.grad = None`` for
+        every group. Without an
         enabled scaler the same happens minus the scaling. The other calls only count the micro-batch.
 
         Returns:
@@ -264,11 +268,13 @@ class Router:
             used, read before the scheduler steps; ``skipped``), and ``accumulating`` (``True`` on a
             micro-step), ``micro_step``, ``step`` and ``scale``.
 
-        A real step is all-or-nothing: if anything raises inside it (a ``grad_hook``, an optimizer, a
-        scheduler, ``KeyboardInterrupt``), every group's parameters, gradients, optimizer state and
-        hyperparameters, the schedulers, the scaler and the accumulation counters are put back exactly as
-        before the call and the exception propagates unchanged; calling ``step()`` again retries the step
-        (each group is stepped once), ``zero_grad()`` drops it. Without an enabled scaler, a group whose
+        A real step that raises before any group changes irreversibly (a ``grad_hook``, a bad value,
+        ``KeyboardInterrupt``, which is held until the irreversible part ends) puts every group's parameters,
+        gradients, optimizer state, the schedulers, the scaler and the accumulation counters back exactly as
+        before the call, and the exception propagates unchanged; calling ``step()`` again retries the step,
+        ``zero_grad()`` drops it. An exception inside an optimizer's or scheduler's own ``step()`` is undone
+        only with ``atomic_step="copy"`` (see ``atomic_step``). No host sync where the optimizers are fused:
+        the statistics stay tensors until read. Without an enabled scaler, a group whose
         gradient norm is inf/NaN is skipped (``skip_reason="nonfinite"``; see ``skip_nonfinite``).
 
         Raises:

@@ -117,16 +117,20 @@ class Runner:
     @classmethod
     def from_args(cls, args: argparse.Namespace, dev: torch.device) -> Runner:
         """The workload ``gradroute bench`` arguments name, built on ``dev``, at the precision they ask for."""
-        wl = build(
-            args.workload,
-            batch_size=args.batch_size,
-            device=dev,
-            checkpointing=args.checkpointing,
-            seed=args.seed,
-            width=args.width,
-            latent_size=args.latent_size,
-        )
-        return cls(wl, bench_dtype(args.dtype, dev), static_graph=args.static_graph)
+        return cls(workload_from_args(args, dev), bench_dtype(args.dtype, dev), static_graph=args.static_graph)
+
+
+def workload_from_args(args: argparse.Namespace, dev: torch.device) -> Workload:
+    """The workload ``gradroute bench`` arguments name, freshly built on ``dev``."""
+    return build(
+        args.workload,
+        batch_size=args.batch_size,
+        device=dev,
+        checkpointing=args.checkpointing,
+        seed=args.seed,
+        width=args.width,
+        latent_size=args.latent_size,
+    )
 
 
 def bench_dtype(spec: str, dev: torch.device) -> str:

@@ -37,11 +37,10 @@ from torch.utils.benchmark import Measurement, TaskSpec, timer
 from ..choices import DEFAULT_BATCH
 from ..common import rel_error, resolve_device
 from ..progress import Progress
-from ..workloads import build
 from .loops import LOOPS, SETUP, Loop, make_loop
 from .memory import child_argv, proc_status, reset_hwm, run_children
 from .report import device_name
-from .runner import bench_dtype
+from .runner import bench_dtype, workload_from_args
 from .step_report import parse_targets, step_table, step_targets
 
 
@@ -111,15 +110,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def loop_from_args(args: argparse.Namespace, name: str, dev: torch.device, dtype: str) -> Loop:
     """The loop ``name`` on a fresh copy of the workload the arguments name (a GradScaler with fp16)."""
-    wl = build(
-        args.workload,
-        batch_size=args.batch_size,
-        device=dev,
-        checkpointing=args.checkpointing,
-        seed=args.seed,
-        width=args.width,
-        latent_size=args.latent_size,
-    )
+    wl = workload_from_args(args, dev)
     if wl.set_checkpoint is not None:
         wl.set_checkpoint("torch")  # both loops with torch.utils.checkpoint
     return make_loop(name, wl, dtype, scaler=dtype == "fp16", static_graph=args.static_graph)

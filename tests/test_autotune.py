@@ -297,3 +297,17 @@ def test_router_shared_by_threads_through_grads_exact_while_measuring() -> None:
         t.join(60)
     assert not errors, errors
     assert not router.autotuning
+
+
+def test_plan_note_counts_the_trial_backwards_and_their_cost() -> None:
+    tenc, unet, forward = _model()
+    router = gradroute.Router(tenc=tenc, unet=unet, autotune=gradroute.Autotune(trials=2))
+    trials = 0
+    while True:
+        router.backward(**forward())
+        trials += 1
+        if not router.autotuning:
+            break
+    note = next(n for n in router.plan(**forward()).notes if n.startswith("autotune"))
+    head = note.splitlines()[0]
+    assert f"; {trials} trial backwards, " in head and head.endswith(" ms more than the chosen plan's")

@@ -228,9 +228,16 @@ class _State:
         else:
             head = (
                 f"autotune: candidate #{self.chosen} of {len(self.cands)} chosen, the fastest (median of up to "
-                f"{self.trials}) whose peak is within {self.tolerance:.0%} of the lowest"
+                f"{self.trials}) whose peak is within {self.tolerance:.0%} of the lowest; {self._cost()}"
             )
         return "\n".join([head, *rows])
+
+    def _cost(self) -> str:
+        """What measuring cost: the trial backwards, and their time beyond as many backwards of the chosen plan."""
+        times = [t for c in self.cands for t in c.times]
+        best = statistics.median(self.cands[self.chosen or 0].times or [0.0])
+        extra = max(0.0, sum(times) - best * len(times))
+        return f"{len(times)} trial backwards, {extra * 1e3:.2f} ms more than the chosen plan's"
 
 
 def _size(n: int) -> str:

@@ -176,3 +176,12 @@ def test_versions_page_has_the_readmes_table():
     # `make test-matrix` rewrites the README's table; the docs page keeps a copy, which must not go stale
     readme = _matrix_table((ROOT / "README.md").read_text())
     assert readme and _matrix_table((ROOT / "docs/versions.md").read_text()) == readme
+
+
+@pytest.mark.parametrize("name", sorted(DOCTEST_EXAMPLES))
+def test_public_docstrings_title_their_examples_section_examples(name):
+    # the API reference renders a Google-style "Examples:" section as code; "Example:" would be a note whose
+    # ">>>" lines run together as text (and whose `x[0](y)` reads as a Markdown link)
+    finder = doctest.DocTestFinder(recurse=True, exclude_empty=False)
+    for test in finder.find(getattr(gradroute, name), name, globs={}):
+        assert not re.search(r"^\s*Example:\s*$", test.docstring or "", flags=re.M), test.name

@@ -3,7 +3,9 @@
 ``README.md`` is the home page, ``BENCHMARKS.md`` and ``examples/`` are pages and files of the site, and every
 relative link in them or in ``docs/*.md`` that names a file of the repository is rewritten to that file's place
 in the site (``../BENCHMARKS.md`` from ``docs/checkpointing.md``, ``docs/distributed.md`` from the README). A
-link to a file that does not exist is left as it is, so that ``mkdocs build --strict`` reports it.
+link to a file of the repository that the site does not show (``pyproject.toml``, a script) becomes its text
+and the file's path. A link to a file that does not exist is left as it is, so that ``mkdocs build --strict``
+reports it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ OUTSIDE = {
     **{f"examples/{p.name}": f"examples/{p.name}" for p in sorted((ROOT / "examples").glob("*.py"))},
 }
 
-_LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
+_LINK = re.compile(r"(?<!!)\[([^\]\n]*)\]\(([^)\s#]+)((?:#[^)\s]*)?)\)")  # a link, not an image
 
 
 def on_files(files: Files, config: Any) -> Files:
@@ -52,11 +54,13 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         if "://" in target or target.startswith(("mailto:", "/")):
             return match.group(0)
         repo_path = posixpath.normpath(posixpath.join(posixpath.dirname(source), target))
-        if repo_path.endswith("/") or (ROOT / repo_path).is_dir():
-            repo_path = posixpath.join(repo_path, "README.md")  # a folder: its README, where the site has one
-        where = site_path(repo_path)
-        if where is None or not (ROOT / repo_path).exists():
+        if not (ROOT / repo_path).exists():
             return match.group(0)
-        return match.group(1) + posixpath.relpath(where, here or ".") + match.group(3)
+        text, where = match.group(1), site_path(repo_path)
+        if (ROOT / repo_path).is_dir():  # a folder: its README's page, where the site has one
+            where, repo_path = site_path(f"{repo_path}/README.md"), f"{repo_path}/"
+        if where is None:  # a file or folder of the repository that the site does not show
+            return text if f"`{repo_path}`" in text else f"{text} (`{repo_path}`)"
+        return f"[{text}]({posixpath.relpath(where, here or '.')}{match.group(3)})"
 
     return _LINK.sub(rewrite, markdown)

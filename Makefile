@@ -9,7 +9,7 @@ STAMP := $(VENV)/.stamp
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-torch test-oldest test-matrix lint typecheck bench clean
+.PHONY: demo test test-torch test-oldest test-matrix lint typecheck docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,8 +55,17 @@ lint: $(STAMP)-test
 typecheck: $(STAMP)-test
 	$(PY) -m mypy
 
+# the docs site (mkdocs.yml: docs/, README.md as its home page, the API reference from the docstrings) into site/,
+# every warning an error (a broken link, a docstring mkdocstrings cannot parse, a page left out of the nav)
+$(STAMP)-docs: $(STAMP)-core
+	$(PIP) install -q -e ".[docs]"
+	touch $@
+
+docs: $(STAMP)-docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 bench: $(STAMP)-core
 	PY=$(PY) bash benchmarks/run.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

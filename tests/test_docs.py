@@ -22,18 +22,28 @@ DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").g
 #: python blocks executed, per file (in order, one namespace per file)
 BLOCKS_RUN = {
     "README.md": 5,
+    "docs/api.md": 0,  # generated from the docstrings, whose examples test_public_docstring_examples_run runs
     "docs/checkpointing.md": 1,
+    "docs/compile.md": 1,
+    "docs/design.md": 0,
     "docs/distributed.md": 0,
     "docs/integrations.md": 0,  # excerpts of scripts that tests/integration runs (and checks them against)
+    "docs/static_graphs.md": 2,
     "docs/training_step.md": 1,
+    "docs/versions.md": 0,
 }
 #: python blocks marked ``<!-- not run: ... -->``, per file
 BLOCKS_NOT_RUN = {
     "README.md": 1,
+    "docs/api.md": 0,
     "docs/checkpointing.md": 0,
+    "docs/compile.md": 0,
+    "docs/design.md": 0,
     "docs/distributed.md": 1,
     "docs/integrations.md": 6,
+    "docs/static_graphs.md": 0,
     "docs/training_step.md": 0,
+    "docs/versions.md": 0,
 }
 #: doctest examples (``>>>`` lines) executed per public name, its methods and, for a module, its functions
 DOCTEST_EXAMPLES = {
@@ -87,6 +97,12 @@ def test_markdown_python_blocks_run_in_order(doc, capsys):
         # "Static graphs": backwards follow a static graph from the third on, and a changed one is refused
         assert "GraphCounts(walked=2, followed=2, planned=1)\n" in out
         assert "`static_graph` was set, but the autogr\n" in out
+    if doc == "docs/static_graphs.md":  # followed from the third backward on; a changed graph refused untouched
+        out = capsys.readouterr().out
+        assert "GraphCounts(walked=2, followed=2, planned=1)\n`static_graph` was set, but the autogr\nTrue\n" in out
+        assert "autotune: candidate #" in out
+    if doc == "docs/compile.md":  # gradroute.compile compiled the UNet's backward and its variants
+        assert namespace["stats"].backwards == 1 and namespace["stats"].variants >= 2
     if doc == "docs/training_step.md":  # a whole training loop, resumable: it ends where its prose says
         stats = namespace["stats"]
         assert stats.step == namespace["total_steps"] and not stats.accumulating
@@ -120,3 +136,52 @@ def _run_docstring_examples(name: str) -> tuple[int, int]:
 @pytest.mark.parametrize("name", sorted(DOCTEST_EXAMPLES))
 def test_public_docstring_examples_run(name):
     assert _run_docstring_examples(name) == (DOCTEST_EXAMPLES[name], 0)
+
+
+def test_api_reference_shows_every_public_name():
+    shown = re.findall(r"^::: gradroute\.(\w+)$", (ROOT / "docs/api.md").read_text(), flags=re.M)
+    assert sorted(shown) == sorted(set(shown)) == sorted(gradroute.__all__)
+
+
+_NOTE = re.compile(r"\s*(?:# )?NOTE \[(.+)\]\s*")  # a NOTE's title line: alone on its line, in a comment or not
+_INDEX_ROW = re.compile(r"^\| (.+) \| `(.+)` \|$", flags=re.M)
+
+
+def note_blocks() -> list[tuple[str, str]]:
+    """``(title, file under src/gradroute/)`` of every NOTE block in the sources (mentions in a sentence aside)."""
+    src = ROOT / "src" / "gradroute"
+    return [
+        (m.group(1), path.relative_to(src).as_posix())
+        for path in sorted(src.rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if (m := _NOTE.fullmatch(line))
+    ]
+
+
+def test_design_doc_indexes_every_note_block():
+    notes = note_blocks()
+    index = (ROOT / "docs/design.md").read_text().split("## Index of NOTE blocks", 1)[1]
+    listed = _INDEX_ROW.findall(index)
+    assert len({title for title, _ in notes}) == len(notes), "two NOTE blocks with one title"
+    expected = "\n".join(f"| {title} | `{file}` |" for title, file in notes)
+    assert sorted(listed) == sorted(notes), f"docs/design.md's NOTE index should read:\n{expected}"
+
+
+def _matrix_table(text: str) -> list[str]:
+    """The rows of the supported-versions table (lines starting with ``| 2.``) of a Markdown text."""
+    return [line for line in text.splitlines() if line.startswith("| 2.")]
+
+
+def test_versions_page_has_the_readmes_table():
+    # `make test-matrix` rewrites the README's table; the docs page keeps a copy, which must not go stale
+    readme = _matrix_table((ROOT / "README.md").read_text())
+    assert readme and _matrix_table((ROOT / "docs/versions.md").read_text()) == readme
+
+
+@pytest.mark.parametrize("name", sorted(DOCTEST_EXAMPLES))
+def test_public_docstrings_title_their_examples_section_examples(name):
+    # the API reference renders a Google-style "Examples:" section as code; "Example:" would be a note whose
+    # ">>>" lines run together as text (and whose `x[0](y)` reads as a Markdown link)
+    finder = doctest.DocTestFinder(recurse=True, exclude_empty=False)
+    for test in finder.find(getattr(gradroute, name), name, globs={}):
+        assert not re.search(r"^\s*Example:\s*$", test.docstring or "", flags=re.M), test.name

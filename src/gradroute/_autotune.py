@@ -76,7 +76,7 @@ class Autotune:
             alive after ``backward`` for as long as the losses are referenced (a logging list of losses keeps
             them all). Off by default: the default candidates keep nothing.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> settings = gradroute.Autotune(trials=2, memory_tolerance=0.05)
         >>> router = gradroute.Router(net=torch.nn.Linear(2, 2), autotune=settings)
@@ -119,7 +119,7 @@ class Autotune:
         tensors remade in every segment; in none; with ``keep_graph``, one engine call per pass
         (``split=False``, which may keep saved tensors alive after the backward).
 
-        Example:
+        Examples:
             >>> import gradroute
             >>> cands = gradroute.Autotune.default_candidates(gradroute.PlanOptions())
             >>> cands[0] == gradroute.PlanOptions(), cands[1].held_factor

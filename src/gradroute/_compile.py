@@ -119,7 +119,7 @@ class CompileStats:
         unaligned: backward graphs whose outputs could not be mapped onto the engine's edges (run whole).
         masks: per variant, the indices of the backward graph's outputs it computes.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
         >>> unet_c = gradroute.compile(unet, backend="aot_eager")
@@ -309,13 +309,14 @@ def compile(
     Args:
         model: a module or function, as for ``torch.compile``.
         backend: ``"inductor"`` or ``"aot_eager"``. Other backends: use ``torch.compile`` (exact, not pruned).
-        mode, options: inductor's, as for ``torch.compile``.
+        mode: inductor's, as for ``torch.compile``.
+        options: inductor's, as for ``torch.compile``.
         **kwargs: passed to ``torch.compile`` (``dynamic``, ``fullgraph``, ...).
 
     Returns:
         What ``torch.compile`` returns.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
         >>> compiled = gradroute.compile(unet, backend="aot_eager")
@@ -365,7 +366,7 @@ def compile_module(module: torch.nn.Module, *, backend: str = "inductor", **kwar
 def compile_stats(compiled: Any) -> CompileStats | None:
     """What :func:`gradroute.compile` compiled for ``compiled`` so far, or None if it did not make ``compiled``.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> net = gradroute.compile(torch.nn.Linear(4, 4), backend="aot_eager")
         >>> net(torch.randn(2, 4)).sum().backward()

@@ -25,7 +25,7 @@ class GraphFreedError(RuntimeError):
 
     Every ``.grad`` is then as it was before the routed backward (NOTE [Undoing a failed routed backward]).
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
         >>> loss = unet(tenc(torch.randn(2, 4))).sum()

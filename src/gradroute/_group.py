@@ -33,7 +33,7 @@ class Group:
             A wrapper is otherwise found without being named when ``params`` is the wrapper or contains it,
             or when the losses are computed and routed inside the wrapper's forward (Lightning).
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> net = torch.nn.Linear(2, 2)
         >>> g = gradroute.Group(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), max_grad_norm=1.0)

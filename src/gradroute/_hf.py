@@ -84,7 +84,7 @@ def enable_checkpointing(model: nn.Module, *, every_n_layers: int = 1) -> None:
         ValueError: a model that does not support checkpointing; ``every_n_layers`` < 1 or given for a model
             that does not take it.
 
-    Example:
+    Examples:
         >>> import gradroute, transformers
         >>> config = transformers.CLIPTextConfig(vocab_size=99, hidden_size=8, intermediate_size=16,
         ...     num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=8, bos_token_id=0,

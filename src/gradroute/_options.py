@@ -25,7 +25,7 @@ class PlanOptions:
             its nodes (as the hand-written ``pruned`` does): fewer engine calls, activations kept until the
             graph is dropped; no interleaving through checkpoint segments.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
         >>> router = gradroute.Router(a=a, b=b, plan_options=gradroute.PlanOptions(chunk=10))

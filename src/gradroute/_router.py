@@ -96,7 +96,7 @@ class Router:
             README's "Static graphs" and :attr:`graph_counts`.
         **named_groups: groups by keyword.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
         >>> router = gradroute.Router(tenc=tenc, unet=unet)
@@ -283,7 +283,7 @@ class Router:
                 unscaled or stepped one of the optimizers. Checked before anything is touched.
             ValueError: float16 gradients with an enabled scaler (before anything is touched).
 
-        Example:
+        Examples:
             >>> import torch, gradroute
             >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
             >>> opt_t, opt_u = torch.optim.AdamW(tenc.parameters()), torch.optim.AdamW(unet.parameters())

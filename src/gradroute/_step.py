@@ -92,7 +92,7 @@ class GroupStats:
             ``Router(skip_nonfinite=True)``, the default) or ``"no_grad"`` (no loss reached the group since
             the last step); ``None`` when not skipped.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
         >>> sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
@@ -182,7 +182,7 @@ class StepStats(dict[str, GroupStats]):
         scale: the ``GradScaler`` scale the step's gradients were scaled by (before its ``update()``);
             ``None`` without an enabled scaler and on accumulation micro-steps.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> net = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)

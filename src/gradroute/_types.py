@@ -36,7 +36,7 @@ class GraphCounts:
         planned: graphs analysed: a graph not seen before, or seen with other plan options (the measured
             choice plans each candidate once); a graph seen again reuses its analysis.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> net = torch.nn.Linear(2, 2)
         >>> router = gradroute.Router(net=net)

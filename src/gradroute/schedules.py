@@ -62,7 +62,7 @@ def warmup_power(
     Returns:
         A ``LambdaLR``; its ``state_dict`` holds the schedule's settings.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from gradroute.schedules import warmup_power
         >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)

@@ -101,7 +101,7 @@ def checkpoint(
         ValueError: ``use_reentrant=True``, ``debug=True`` or an unknown ``determinism_check``.
         RuntimeError: ``fn`` initialised the device, so its RNG state could not be saved before it ran.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
         >>> router = gradroute.Router(tenc=tenc, unet=unet)
@@ -229,7 +229,7 @@ def checkpoint_modules(*modules: torch.nn.Module) -> None:
     Raises:
         TypeError: an argument is not an ``nn.Module``.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
         >>> gradroute.checkpoint_modules(body[0], body[2])
@@ -265,7 +265,7 @@ def cut_points(*modules: torch.nn.Module) -> list[torch.utils.hooks.RemovableHan
     Raises:
         TypeError: an argument is not an ``nn.Module``.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
         >>> handles = gradroute.cut_points(body[0])

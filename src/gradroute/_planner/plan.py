@@ -46,7 +46,7 @@ class Call:
         nodes: how many autograd nodes this call executes.
         wiring: the node ids the executor needs (internal; not part of equality or ``repr``).
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
         >>> loss = unet(tenc(torch.randn(2, 4))).pow(2)
@@ -105,7 +105,7 @@ class Plan:
             backwards compute only what each call needs: ``gradroute.compile``), one sentence each;
             ``str(plan)`` prints them last.
 
-    Example:
+    Examples:
         >>> import torch, gradroute
         >>> tenc, unet = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
         >>> loss = unet(tenc(torch.randn(2, 4))).pow(2)

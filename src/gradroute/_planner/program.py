@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import Node
 
 from .._graph import Graph, root_node, walk
 from .._options import PlanOptions
@@ -95,16 +96,9 @@ def build(
     key = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
     marks, by_mark = cache.marks(routes) if cache is not None else (param_marks(routes), [])
     if static is not None and graph is None:
-        followed = static.follow(key, roots, routes, by_mark)
-        if followed is not None:
-            return Program(
-                followed.planned,
-                followed.graph,
-                routes,
-                options,
-                targets=followed.targets,
-                target_routes=followed.target_routes,
-            )
+        f = static.follow(key, roots, routes, by_mark)
+        if f is not None:
+            return Program(f.planned, f.graph, routes, options, targets=f.targets, target_routes=f.target_routes)
     start = time.perf_counter()
     g = walk(roots, marks, probe=probe) if graph is None else graph
     seconds = time.perf_counter() - start if graph is None else None
@@ -114,18 +108,7 @@ def build(
     hit = cache.lookup(key, g.signature) if cache is not None else None
     if hit is not None:
         g.signature = hit.signature  # equal; the cached list, so that callers can tell the entry by identity
-        planned = hit.planned
-    else:
-        root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
-        planned = analyse(
-            g,
-            [r.name for r in routes],
-            [r.params for r in routes],
-            root_ids,
-            merge_shared=merge_shared,
-            options=options,
-            checkpoints=checkpoints,
-        )
+    planned = hit.planned if hit is not None else _analyse(g, routes, route_roots, merge_shared, options, checkpoints)
     if cache is not None:
         entry = hit if hit is not None else cache.store(key, g.signature, planned)
         if backward and seconds is not None:
@@ -133,6 +116,19 @@ def build(
     if static is not None and hit is not None and backward:
         static.walked(key, g, planned, route_roots)
     return Program(planned, g, routes, options, walked=seconds)
+
+
+def _analyse(
+    g: Graph,
+    routes: Sequence[Route],
+    route_roots: Sequence[Sequence[Node]],
+    merge_shared: bool,
+    options: PlanOptions,
+    checkpoints: Checkpoints,
+) -> Planned:
+    root_ids = [[g.index[n] for n in nodes] for nodes in route_roots]
+    names, params = [r.name for r in routes], [r.params for r in routes]
+    return analyse(g, names, params, root_ids, merge_shared=merge_shared, options=options, checkpoints=checkpoints)
 
 
 def refuse_reentrant(routes: Sequence[Route]) -> None:

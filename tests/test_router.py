@@ -675,10 +675,12 @@ def test_allow_unreached_of_wrong_type_fails(value):
 @pytest.mark.parametrize(
     "bad", [{"scaler": 3}, {"accumulate": 0}, {"allow_unreached": ["vae"]}, {"plan_options": 1}, {"other": 5}]
 )
-def test_failed_construction_leaves_the_callers_group_unrenamed(bad):
+def test_construction_never_renames_the_callers_group(bad):
     group = gradroute.Group(mlp(2, 2), name="mine")
     with pytest.raises((TypeError, ValueError)):
         gradroute.Router(tenc=group, **bad)
     assert group.name == "mine"
-    gradroute.Router(tenc=group)
-    assert group.name == "tenc"
+    router = gradroute.Router(tenc=group)
+    other = gradroute.Router(unet=group)  # one Group in two routers: each names its own copy
+    assert group.name == "mine"
+    assert router.groups["tenc"].name == "tenc" and other.groups["unet"].name == "unet"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -130,8 +131,8 @@ class Router:
         for name, spec in specs.items():
             if not isinstance(name, str) or not name:
                 raise TypeError(f"group names must be non-empty strings, got {name!r}")
-            # a Group of the caller's is renamed only once the whole construction has succeeded
-            self._groups[name] = spec if isinstance(spec, Group) else Group(spec, name=name)
+            # the router's own copy of a caller's Group: named (and given Accelerate's prepared objects) here only
+            self._groups[name] = copy.copy(spec) if isinstance(spec, Group) else Group(spec, name=name)
         self._allow_unreached = _check_allow_unreached(allow_unreached, self._groups)
         if plan_options is None:
             plan_options = PlanOptions()

@@ -111,6 +111,8 @@ class Rollback:
 
     def schedulers(self, groups: Iterable[Group]) -> None:
         """Before the schedulers of ``groups`` step (they also write the optimizers' learning rates)."""
+        if not self.enabled:
+            return
         scheds = [g for g in groups if g.scheduler is not None and g.optimizer is not None]
         saved = [
             (g.scheduler, copy.deepcopy(g.scheduler.state_dict()), [_hyper(pg) for pg in g.optimizer.param_groups])

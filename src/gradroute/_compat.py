@@ -101,6 +101,7 @@ without hooks. The probe stops at the first live tensor, so at most one tensor p
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import operator
 import re
@@ -496,8 +497,16 @@ def skips_on_device(optimizer: Any) -> bool:
     device (``_step_supports_amp_scaling``: torch's fused Adam, AdamW, SGD), as ``GradScaler.step`` uses it."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
-    try:  # the deprecated protocol takes a ``grad_scaler`` argument instead of the two attributes
-        return "grad_scaler" not in inspect.signature(optimizer.step).parameters
+    step = optimizer.step
+    return _without_grad_scaler(getattr(step, "__func__", step))
+
+
+@functools.lru_cache(maxsize=64)
+def _without_grad_scaler(step: Any) -> bool:
+    """Whether ``step`` (an optimizer's step function) takes no ``grad_scaler`` argument (the deprecated protocol);
+    cached per function: read on every ``Router.step``."""
+    try:
+        return "grad_scaler" not in inspect.signature(step).parameters
     except (TypeError, ValueError):  # pragma: no cover - a step without a signature
         return False
 

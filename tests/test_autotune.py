@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
-import threading
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -260,43 +264,16 @@ def test_bad_autotune_argument_fails() -> None:
 
 
 def test_router_shared_by_threads_through_grads_exact_while_measuring() -> None:
-    # four threads route through one router while its measured choice is trying candidates: every result exact
-    torch.manual_seed(0)
-    tenc = nn.Linear(D, D).double()
-    unet = nn.ModuleList(nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D)) for _ in range(4)).double()
-    groups = _groups(tenc, unet)
-
-    def forward(seed: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed)
-        h = tenc(torch.randn(5, D, generator=g, dtype=torch.float64))
-        for k in (0, 2):
-            h = gradroute.checkpoint(lambda x, k=k: unet[k + 1](unet[k](x)) + x, h)
-        loss = h.pow(2)
-        return {"tenc": loss.mean(), "unet": loss[:2].mean()}
-
-    expected = {s: reference_grads(lambda s=s: forward(s), groups) for s in range(4)}
-    router = gradroute.Router(**groups, autotune=gradroute.Autotune(trials=3))
-    errors: list[BaseException] = []
-    start = threading.Barrier(4)
-
-    def run(seed: int) -> None:
-        try:
-            start.wait(10)
-            for _ in range(15):
-                got = router.grads(**forward(seed))
-                for name, params in groups.items():  # the groups share no parameter
-                    for p, g in zip(params, got[name], strict=True):
-                        torch.testing.assert_close(g, expected[seed][id(p)], rtol=1e-9, atol=1e-12)
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    assert not router.autotuning
+    # four threads route through one router while its measured choice is trying candidates: every result exact.
+    # In a process of its own: under torch 2.5, threads leave dynamo unable to compile in the process afterwards
+    # (torch's own state, not the router's), which would fail later tests that compile
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests._threaded_grads"], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"errors": [], "autotuning": False}
 
 
 def test_plan_note_counts_the_trial_backwards_and_their_cost() -> None:

@@ -44,9 +44,9 @@ test-oldest:
 		--results build/torch-oldest $(MATRIX_ARGS)
 
 # every supported torch minor (and the refusal of the last older one), one at a time; the table goes to
-# build/torch-matrix/table.md and README.md ("Supported versions")
+# build/torch-matrix/table.md and docs/versions.md
 test-matrix:
-	$(PYTHON) tools/torch_matrix.py --cache "$(MATRIX_CACHE)" --readme README.md $(MATRIX_ARGS)
+	$(PYTHON) tools/torch_matrix.py --cache "$(MATRIX_CACHE)" --readme docs/versions.md $(MATRIX_ARGS)
 
 lint: $(STAMP)-test
 	$(PY) -m ruff check src tests examples benchmarks tools

@@ -2,7 +2,7 @@
 
     python tools/torch_matrix.py --versions 2.5.1 2.15.0            # what `make test-matrix` runs, for two
     python tools/torch_matrix.py --versions 2.6.0 --keep            # `make test-torch TORCH_SPEC=torch==2.6.0`
-    python tools/torch_matrix.py --table-only --readme README.md    # the README table from the stored results
+    python tools/torch_matrix.py --table-only --readme docs/versions.md    # the docs table from the stored results
 
 For each version: a venv ``<cache>/venv-<version>`` with that torch and ``-e .[test,demo,...]`` with the
 libraries of the integration examples (``pip`` picks their versions for that torch), then one

@@ -20,7 +20,7 @@ from .compiled import CompiledRunner, measure_both
 from .measure import measure
 from .memory import child, cpu_peaks, cuda_peak
 from .plot import plot
-from .report import device_name, table, targets
+from .report import run_fields, table, targets
 from .runner import Runner, bench_dtype
 
 
@@ -78,16 +78,7 @@ def run(args: argparse.Namespace) -> int:
         for key in ("ms", "ms_min", "peak_mib"):
             results[s].setdefault(key, None)
     report = {
-        "workload": args.workload,
-        "device": device_name(dev),
-        "torch": torch.__version__,
-        "batch": n_batch,
-        "dtype": dtype,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "checkpointing": bool(args.checkpointing),
-        "threads": torch.get_num_threads(),
-        "memory": method,
+        **run_fields(args, dev, n_batch, dtype, method),
         "groups": groups,
         "results": results,
         "compile": compiled,

@@ -17,6 +17,22 @@ def device_name(dev: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
+def run_fields(args: Any, dev: torch.device, n_batch: int, dtype: str, memory: str) -> dict[str, Any]:
+    """The fields every bench report starts with: what ran, where, and how memory was measured."""
+    return {
+        "workload": args.workload,
+        "device": device_name(dev),
+        "torch": torch.__version__,
+        "batch": n_batch,
+        "dtype": dtype,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "checkpointing": bool(args.checkpointing),
+        "threads": torch.get_num_threads(),
+        "memory": memory,
+    }
+
+
 def targets(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets, where the needed strategies ran: ratios and whether each is met."""
     ms = {s: v["ms"] for s, v in results.items() if v.get("ms")}

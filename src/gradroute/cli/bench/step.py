@@ -39,7 +39,7 @@ from ..common import rel_error, resolve_device
 from ..progress import Progress
 from .loops import LOOPS, SETUP, Loop, make_loop
 from .memory import child_argv, proc_status, reset_hwm, run_children
-from .report import device_name
+from .report import run_fields
 from .runner import bench_dtype, workload_from_args
 from .step_report import parse_targets, step_table, step_targets
 
@@ -75,17 +75,8 @@ def run(args: argparse.Namespace) -> int:
     progress.close()
     report = {
         "mode": "step",
-        "workload": args.workload,
-        "device": device_name(dev),
-        "torch": torch.__version__,
-        "batch": n_batch,
-        "dtype": dtype,
-        "steps": args.steps,
-        "warmup": args.warmup,
+        **run_fields(args, dev, n_batch, dtype, method),
         "settle": settled,
-        "checkpointing": bool(args.checkpointing),
-        "threads": torch.get_num_threads(),
-        "memory": method,
         "setup": setup,
         "results": results,
     }

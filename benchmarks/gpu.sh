@@ -29,6 +29,10 @@ export PYTHONUNBUFFERED=1
   nvidia-smi -L
   python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/gpu.log"
+# No host sync in the router's backward and step (fused AdamW, one GradScaler): set_sync_debug_mode("error")
+for dtype in fp16 bf16; do
+  timeout 60 python3 benchmarks/sync_check.py --dtype "$dtype" 2>&1 | tee -a "$OUT/gpu.log"
+done
 bench() {
   name=$1
   shift

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -148,6 +149,8 @@ def optimizer_mismatch(name: str, groups: Mapping[str, Group], limit: int = 5) -
     if opt is None:
         return None
     owned = [p for pg in opt.param_groups for p in pg["params"]]
+    if len(owned) == len(group.params) and all(map(operator.is_, owned, group.params)):
+        return None  # the same parameters in the same order (the usual case, checked on every step)
     owned_ids = {id(p) for p in owned}
     mine = {id(p) for p in group.params}
     missing = [p for p in group.params if id(p) not in owned_ids]

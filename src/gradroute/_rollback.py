@@ -211,6 +211,11 @@ class Unscaled:
         self._unscaled = []
 
 
+# CPython's C functions behind ``signal.signal``/``getsignal``, without their conversion of handlers to enums (most
+# of the cost of holding Ctrl-C for a host-bound step); ``signal`` itself elsewhere
+_signals: Any = getattr(signal, "_signal", signal)
+
+
 @contextlib.contextmanager
 def hold_interrupt() -> Iterator[None]:
     """Hold a SIGINT that arrives inside the block and deliver it when the block ends (NOTE [Atomic step by
@@ -219,7 +224,7 @@ def hold_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = _signals.getsignal(signal.SIGINT)
     if not callable(previous):
         yield
         return
@@ -228,12 +233,12 @@ def hold_interrupt() -> Iterator[None]:
     def hold(signum: int, frame: Any) -> None:
         held.append((signum, frame))
 
-    signal.signal(signal.SIGINT, hold)
+    _signals.signal(signal.SIGINT, hold)
     try:
         yield
     except BaseException:
-        signal.signal(signal.SIGINT, previous)
+        _signals.signal(signal.SIGINT, previous)
         raise  # already failing: that exception propagates (the held Ctrl-C is dropped with the step's result)
-    signal.signal(signal.SIGINT, previous)
+    _signals.signal(signal.SIGINT, previous)
     if held:
         previous(*held[0])

@@ -385,7 +385,8 @@ class Stepper:
                     if exact:
                         undo.before_hook(g)
                     g.grad_hook([p for p in g.params if p.grad is not None])
-            norms = {name: _total_norm([p.grad for p in g.params if p.grad is not None]) for name, g in active.items()}
+            with_grad = {name: [p for p in g.params if p.grad is not None] for name, g in active.items()}
+            norms = {name: _total_norm([p.grad for p in ps]) for name, ps in with_grad.items()}
             if not self._scaling and self.skip_nonfinite:
                 found_inf = {name: ~torch.isfinite(norms[name]) for name in active}
             lrs = {name: _lrs(g) for name, g in self.groups.items()}  # the learning rates this step uses
@@ -394,15 +395,14 @@ class Stepper:
                 undo.restore()
             raise
         undo.clear()
-        return _Prepared(scale=scale, found_inf=found_inf, norms=norms, lrs=lrs)
+        return _Prepared(scale=scale, found_inf=found_inf, norms=norms, lrs=lrs, with_grad=with_grad)
 
     def _apply(self, active: dict[str, Group], prepared: _Prepared, undo: Rollback) -> None:
         """The second part: clip, one optimizer step per group, ONE scaler update, the schedulers of the groups
         that stepped. Nothing here touches the counters or zeroes a gradient."""
         for name, g in active.items():
             if g.max_grad_norm is not None:  # a group found non-finite is skipped: clipping it changes nothing
-                clip = [p for p in g.params if p.grad is not None]
-                _clip_with_norm(clip, g.max_grad_norm, prepared.norms[name])
+                _clip_with_norm(prepared.with_grad[name], g.max_grad_norm, prepared.norms[name])
         stepped = self._step_optimizers(active, prepared.found_inf, undo)
         scheduled = [g for name, g in active.items() if g.scheduler is not None and stepped[name]]
         undo.schedulers(scheduled)
@@ -610,12 +610,14 @@ def _step_on_device(opt: Any, found_inf: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class _Prepared:
     """What the first part of a real step found: the scale, per group whether its gradients are non-finite
-    (a bool, or a tensor when known on the device only), the norms, and the learning rates used."""
+    (a bool, or a tensor when known on the device only), the norms, the learning rates used, and the parameters
+    with a gradient (what is clipped)."""
 
     scale: torch.Tensor | float | None
     found_inf: dict[str, bool | torch.Tensor]
     norms: dict[str, torch.Tensor]
     lrs: dict[str, tuple[Any, ...]]
+    with_grad: dict[str, list[torch.Tensor]]
 
 
 class _Mean:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import warnings
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 import gradroute
+from tests._reference import assert_grads_match, reference_grads
 
 from ._helpers import sd_stack
 
@@ -47,3 +52,50 @@ def test_no_warning_with_cut_points(switch: str, cuts: bool) -> None:
 
 def test_no_warning_without_a_router() -> None:
     assert _advice_given("gradroute", cuts=False, backwards=1, routed=False) == [0]
+
+
+class _Block(nn.Module):
+    """A residual block: the checkpointed body's input also feeds the sum around it (a skip connection)."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(w, w)
+        self.body = nn.Sequential(nn.Linear(w, w), nn.Tanh(), nn.Linear(w, w))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return gradroute.checkpoint(self.body, h, use_reentrant=False) + h
+
+
+def _skip_net(blocks: int = 6, w: int = 16) -> tuple[nn.Module, nn.Module, Any]:
+    torch.manual_seed(0)
+    tenc, unet = nn.Linear(w, w).double(), nn.Sequential(*(_Block(w) for _ in range(blocks))).double()
+    x = torch.randn(8, w, dtype=torch.float64)
+
+    def forward() -> dict[str, torch.Tensor]:
+        loss = unet(tenc(x)).pow(2)
+        return {"tenc": loss.mean(), "unet": loss[:4].mean()}
+
+    return tenc, unet, forward
+
+
+@pytest.mark.parametrize("fix", ["none", "cut_points", "checkpoint_modules"])
+def test_other_segments_recomputed_per_call_warn_naming_cut_points(fix: str) -> None:
+    gc.collect()  # cut points of earlier tests' modules, if any are left, silence the advice (rule 2)
+    tenc, unet, forward = _skip_net()
+    handles = gradroute.cut_points(*[b.proj for b in unet]) if fix == "cut_points" else []
+    if fix == "checkpoint_modules":
+        gradroute.checkpoint_modules(*unet)
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    expected = reference_grads(forward, groups)
+    router = gradroute.Router(groups, autotune=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        router.backward(**forward())
+    named = [w for w in caught if "gradroute.cut_points(*modules)" in str(w.message)]
+    assert len(named) == (1 if fix == "none" else 0)
+    if named:
+        assert "(`Sequential`)" in str(named[0].message)
+    assert_grads_match([p for ps in groups.values() for p in ps], expected, rtol=1e-12, atol=1e-14)
+    for h in handles:
+        h.remove()

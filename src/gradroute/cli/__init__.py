@@ -30,6 +30,7 @@ Supported import paths (``benchmarks/`` and the tests use these and nothing else
 * ``gradroute.cli.workloads.build``, ``gradroute.cli.workloads.Workload``
 * ``gradroute.cli.workloads.sd15.sd15_configs``, ``gradroute.cli.workloads.sd15.unet_cut_points``
 * ``gradroute.cli.bench.runner.Runner``, ``gradroute.cli.bench.measure.measure``
+* ``gradroute.cli.bench.step_report.parse_targets``
 * ``gradroute.cli.demo.command.run``
 
 Example:

@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     r = (CompiledRunner if args.compile else Runner).from_args(args, dev)
     name, groups = r.wl.name, [r.wl.up_name, r.wl.down_name]
     n_batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH[name]
-    total = len(strategies) * (1 + args.warmup + args.steps) * (2 if args.compile else 1) + len(strategies)
+    memory = 0 if args.no_memory else len(strategies)  # a step each (less those that crashed)
+    total = len(strategies) * (1 + args.warmup + args.steps) * (2 if args.compile else 1) + memory
     progress = progress_bar(total, f"bench {name}")
     results, compiled = _measure(r, args, strategies, progress)
     ok = [s for s in strategies if "error" not in results[s]]

@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     dtype = bench_dtype(args.dtype, dev)
     loops = {name: loop_from_args(args, name, dev, dtype) for name in LOOPS}
-    progress = progress_bar(len(LOOPS) * (args.warmup + args.steps + 1), f"bench --step {args.workload}")
+    total = len(LOOPS) * (args.warmup + args.steps + (0 if args.no_memory else 1))
+    progress = progress_bar(total, f"bench --step {args.workload}")
     settled = loops["gradroute"].settle()
     for _ in range(settled):
         loops["hand_cut"].iterate()

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import io
 import statistics
 
 import pytest
 
 from gradroute.cli.bench.measure import round_robin
-from gradroute.cli.common import progress_bar
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
+class _Bar:
+    """Records what a tqdm bar is told: the text shown at each update."""
+
+    def __init__(self) -> None:
+        self.postfix, self.shown = "", []
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = s
+
+    def update(self, n: int = 1) -> None:
+        self.shown += [self.postfix] * n
 
 
 @pytest.mark.parametrize("warmup", [0, 2])
@@ -29,11 +35,10 @@ def test_round_robin_interleaves_and_summarises_the_timed_runs(warmup: int, step
         seconds[name].append(t)
         return t
 
-    bar = progress_bar(len(names) * (warmup + steps), "bench", file=_Terminal())
+    bar = _Bar()
     got = round_robin(run, names, steps=steps, warmup=warmup, progress=bar, label="test")
-    bar.close()
     assert calls == names * (warmup + steps)  # one run of each name per turn, in the given order
-    assert bar.n == len(calls)
+    assert bar.shown == [f"warm-up {n}" for n in names] * warmup + [f"time {n}" for n in names] * steps
     assert list(got) == names
     for name, m in got.items():
         timed = seconds[name][warmup:]

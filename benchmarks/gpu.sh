@@ -37,8 +37,9 @@ bench() {
   name=$1
   shift
   echo "== $name: $*" | tee -a "$OUT/gpu.log"
-  timeout 200 python3 -m gradroute bench --workload sd15 --device cuda "$@" --json "$OUT/$name.json" 2>&1 \
-    | grep -v '^bench ' | tee -a "$OUT/gpu.log"
+  timeout 200 python3 -m gradroute bench --workload sd15 --device cuda "$@" \
+    --targets "$(awk '$1 == "bench" { print $2 }' benchmarks/targets)" --json "$OUT/$name.json" 2>&1 \
+    | tee -a "$OUT/gpu.log"
 }
 # The whole training iteration (`bench --step`: two fused AdamW, clipping, schedulers; fp16 with one GradScaler),
 # the router's loop against the hand-written one, ratios against benchmarks/targets. Both loops hold a copy of
@@ -50,7 +51,7 @@ step() {
   echo "== $name: --step $*" | tee -a "$OUT/gpu.log"
   timeout 240 python3 -m gradroute bench --step --workload sd15 --device cuda "$@" \
     --targets "$(awk -v n="step-$regime" '$1 == n { print $2 }' benchmarks/targets)" --json "$OUT/$name.json" 2>&1 \
-    | grep -v '^bench ' | tee -a "$OUT/gpu.log"
+    | tee -a "$OUT/gpu.log"
 }
 if [ "${1:-tables}" != step ]; then
   # batch 32: GPU-bound (at batch 8 the min and median step differ by 25%: launch-bound)

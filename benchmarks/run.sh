@@ -7,7 +7,13 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 out=benchmarks/results
 mkdir -p "$out"
-bench() { name=$1; shift; "$PY" -m gradroute bench "$@" --json "$out/$name.json" --plot "$out/$name.png"; }
+# the bounds on the printed ratios: benchmarks/targets
+target() { awk -v n="$1" '$1 == n { print $2 }' benchmarks/targets; }
+bench() {
+  name=$1
+  shift
+  "$PY" -m gradroute bench "$@" --targets "$(target bench)" --json "$out/$name.json" --plot "$out/$name.png"
+}
 
 bench sd-tiny          --workload sd-tiny --steps 20 --warmup 3
 bench sd-tiny-ckpt     --workload sd-tiny --checkpointing --steps 20 --warmup 3
@@ -50,7 +56,6 @@ bench gan              --workload gan --threads 1 --steps 20 --warmup 3
 # the whole training iteration (forward, routed backward, two fused AdamW, clipping, schedulers, zero_grad) of
 # the router's loop against torch's AMP recipe after the hand cut, interleaved; time and the whole iteration's
 # peak (the next forward included), ratios printed against benchmarks/targets
-target() { awk -v n="$1" '$1 == n { print $2 }' benchmarks/targets; }
 step() {
   name=$1 regime=$2
   shift 2

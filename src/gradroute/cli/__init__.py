@@ -8,8 +8,8 @@ Layout (one job per module):
 * ``main``: the argument parser and ``main(argv) -> exit code`` (the ``gradroute`` console script).
 * ``choices``: the names the command line accepts (workloads, strategies, dtypes), torch-free so that
   ``--help`` stays fast; everything else reads them from here.
-* ``common``: helpers both commands use (device and dtype resolution, relative error, matplotlib).
-* ``progress``: a one-line text progress bar.
+* ``common``: helpers both commands use (device and dtype resolution, relative error, matplotlib, the tqdm
+  progress bar).
 * ``data``, ``noise``, ``models``: the embedded captioned-shapes data, its noise schedule and the tiny text
   encoder and UNet (``gradroute demo`` and the ``sd-tiny`` workload).
 * ``demo``: ``command`` (the training run), ``check`` (the step-0 check against independent forwards),
@@ -18,7 +18,7 @@ Layout (one job per module):
   ``actor_critic``, ``sd15``).
 * ``bench``: ``command`` (the run and its report), ``runner`` (a workload, its router and precision),
   ``strategies`` (the ways of routing two losses), ``measure`` (errors and interleaved timing), ``memory``
-  (peak memory), ``report`` (targets and the Markdown table), ``plot`` (the bar chart).
+  (peak memory), ``report`` (the ratios, their bounds and the Markdown table), ``plot`` (the bar chart).
 
 Supported import paths (``benchmarks/`` and the tests use these and nothing else from this package):
 
@@ -30,6 +30,7 @@ Supported import paths (``benchmarks/`` and the tests use these and nothing else
 * ``gradroute.cli.workloads.build``, ``gradroute.cli.workloads.Workload``
 * ``gradroute.cli.workloads.sd15.sd15_configs``, ``gradroute.cli.workloads.sd15.unet_cut_points``
 * ``gradroute.cli.bench.runner.Runner``, ``gradroute.cli.bench.measure.measure``
+* ``gradroute.cli.bench.step_report.parse_targets``
 * ``gradroute.cli.demo.command.run``
 
 Example:

@@ -1,10 +1,11 @@
-"""Helpers both commands use: the device and precision they run on, the relative error they report, pyplot."""
+"""Helpers both commands use: the device and precision they run on, the relative error they report, pyplot,
+the progress bar."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -77,3 +78,27 @@ def has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+class _NoBar:
+    """The part of ``tqdm``'s interface the commands use, doing nothing (tqdm is not installed)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, *, enabled: bool = True, file: IO[str] | None = None) -> Any:
+    """A ``tqdm`` progress bar on ``file`` (stderr by default), drawn only where that is a terminal and the
+    command is ``enabled`` (tqdm's ``disable=None``: nothing in logs and pipes); a bar that draws nothing without
+    tqdm (``pip install 'gradroute[demo]'``), which no command needs."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, file=file, disable=None if enabled else True, dynamic_ncols=True)

@@ -135,7 +135,9 @@ def _add_bench(sub: Any) -> None:
         "--targets",
         default=None,
         metavar="SPEC",
-        help="with --step: upper bounds printed next to the ratios to the hand-written loop, e.g. time=1.03,peak=1.01",
+        help="bounds printed next to the run's ratios, NAME=BOUND,...: with --step time and peak (upper bounds on "
+        "the ratios to the hand-written loop), e.g. time=1.03,peak=1.01; else the names the report prints, e.g. "
+        "time_vs_hand=1.02,speedup_vs_naive=1.2 (speedup_vs_naive: a lower bound)",
     )
     bench.add_argument("--_one", default=None, help=argparse.SUPPRESS)  # child process of a CPU run
 

@@ -79,3 +79,21 @@ def test_bench_checkpointing_on_sd_tiny(tmp_path, capsys):
     # torch's checkpoint: no gradroute.checkpoint segment, one candidate plan (one call per pass would keep the
     # retained pass's activations alive: Autotune(keep_graph=True) only), nothing measured
     assert "autotune" not in report["results"]["gradroute"]
+
+
+def test_bench_prints_ratios_and_the_bounds_given(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--workload", "gan", "--width", "8", *TINY_BENCH, "--no-memory", "--json", str(path)]
+    argv += ["--strategies", "retain_twice,cut,gradroute"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "- gradroute time / faster of pruned, cut: " in out and "target" not in out  # no bound built in
+    assert main([*argv, "--targets", "time_vs_hand=1000,speedup_vs_naive=1000,error=1e-5"]) == 0
+    out = capsys.readouterr().out
+    assert "(target <= 1000: met)" in out and "(target >= 1000: MISSED)" in out and "(target <= 1e-05: met)" in out
+    report = json.loads(path.read_text())
+    err = report["results"]["gradroute"]["err"]
+    assert report["targets"]["error"] == {"value": err, "target": "<= 1e-05", "met": True}
+    for s in ("retain_twice", "cut", "gradroute"):
+        v = report["results"][s]
+        assert v["ms_min"] <= v["ms"] and v["iqr_ms"] >= 0

@@ -14,13 +14,12 @@ from typing import Any
 import torch
 
 from ..choices import CKPT_STRATEGIES, DEFAULT_BATCH, STRATEGIES
-from ..common import has_matplotlib, resolve_device
-from ..progress import Progress
+from ..common import has_matplotlib, progress_bar, resolve_device
 from .compiled import CompiledRunner, measure_both
 from .measure import measure
 from .memory import child, cpu_peaks, cuda_peak
 from .plot import plot
-from .report import run_fields, table, targets
+from .report import parse_targets, run_fields, table, targets
 from .runner import Runner, bench_dtype
 
 
@@ -48,10 +47,9 @@ def run(args: argparse.Namespace) -> int:
         from .step import run as run_step
 
         return run_step(args)
-    if getattr(args, "targets", None) is not None:
-        raise ValueError(f"`--targets` applies to `--step` only, got {args.targets!r}")
     if getattr(args, "_one", None):
         return child(args)
+    bounds = parse_targets(getattr(args, "targets", None))
     strategies = parse_strategies(args.strategies, args.checkpointing)
     dev = resolve_device(args.device)
     if args.threads is not None:
@@ -61,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     r = (CompiledRunner if args.compile else Runner).from_args(args, dev)
     name, groups = r.wl.name, [r.wl.up_name, r.wl.down_name]
     n_batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH[name]
-    total = len(strategies) * (1 + args.warmup + args.steps) * (2 if args.compile else 1) + len(strategies)
-    progress = Progress(total, f"bench {name}")
+    memory = 0 if args.no_memory else len(strategies)  # a step each (less those that crashed)
+    total = len(strategies) * (1 + args.warmup + args.steps) * (2 if args.compile else 1) + memory
+    progress = progress_bar(total, f"bench {name}")
     results, compiled = _measure(r, args, strategies, progress)
     ok = [s for s in strategies if "error" not in results[s]]
     if args.no_memory:
@@ -83,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         "results": results,
         "compile": compiled,
     }
-    report["targets"] = targets(results)
+    report["targets"] = targets(results, bounds)
     _write(report, args)
     return 0
 
@@ -98,9 +97,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("`--plot` needs matplotlib (pip install 'gradroute[demo]')")
 
 
-def _measure(
-    r: Runner, args: argparse.Namespace, strategies: list[str], progress: Progress
-) -> tuple[dict[str, Any], Any]:
+def _measure(r: Runner, args: argparse.Namespace, strategies: list[str], progress: Any) -> tuple[dict[str, Any], Any]:
     """Error and time of every strategy (eager, and compiled with ``--compile``): ``(results, compiled)``."""
     if isinstance(r, CompiledRunner):
         return measure_both(r, args.compile, strategies, steps=args.steps, warmup=args.warmup, progress=progress)
@@ -121,7 +118,8 @@ def _cuda_peaks(r: Runner, ok: list[str], results: dict[str, Any], progress: Any
     """Adds ``peak_mib`` to the results of the strategies that ran; returns how it was measured."""
     for s in ok:
         results[s]["peak_mib"] = cuda_peak(r, s) / 2**20
-        progress.update(1, f"memory {s}")
+        progress.set_postfix_str(f"memory {s}", refresh=False)
+        progress.update()
     return "cuda max_memory_allocated"
 
 

@@ -57,19 +57,24 @@ def child_env() -> dict[str, str]:
 
 
 def run_children(argvs: dict[str, list[str]], progress: Any) -> dict[str, Any]:
-    """Runs each command line (two at a time); per name, the JSON of its last line of output, or ``{"error"}``."""
+    """Runs each command line (two at a time); per name, the JSON of its last line of output, or ``{"error"}``.
+    ``progress`` (a ``tqdm`` bar) advances once per child, from this thread."""
     env = child_env()
 
     def run_child(s: str) -> tuple[str, Any]:
         proc = subprocess.run(argvs[s], env=env, capture_output=True, text=True, check=False)
-        progress.update(1, s)
         if proc.returncode != 0:
             lines = (proc.stderr or proc.stdout).strip().splitlines()
             return s, {"error": lines[-1] if lines else f"exit code {proc.returncode}"}
         return s, json.loads(proc.stdout.strip().splitlines()[-1])
 
+    out: dict[str, Any] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
-        return dict(pool.map(run_child, list(argvs)))
+        for s, result in pool.map(run_child, list(argvs)):
+            out[s] = result
+            progress.set_postfix_str(f"memory {s}", refresh=False)
+            progress.update()
+    return out
 
 
 def child_argv(args: argparse.Namespace, dtype: str, strategy: str, device: str = "cpu") -> list[str]:

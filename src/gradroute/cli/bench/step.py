@@ -4,8 +4,9 @@ The loops (``gradroute.cli.bench.loops``) each train their own copy of the workl
 
 * **Time**: forward + routed backward + optimizer step (unscale, clipping, both optimizers, the scaler's
   update, schedulers) + ``zero_grad``, per iteration, the loops taking turns iteration by iteration (round
-  robin, so that load from other processes hits both alike) after warm-up; medians and interquartile ranges of
-  ``torch.utils.benchmark.Measurement``, clocked with ``torch.utils.benchmark.timer`` (it synchronises CUDA).
+  robin, ``gradroute.cli.bench.measure.round_robin``, so that load from other processes hits both alike) after
+  warm-up; medians and interquartile ranges of ``torch.utils.benchmark.Measurement``, clocked with
+  ``torch.utils.benchmark.timer`` (it synchronises CUDA).
   Before timing, the router's measured plan choice runs untimed, and the hand-written loop runs as many
   iterations, so that both loops have trained the same number of iterations on the same batch.
 * **Parameters**: their relative L2 difference between the two loops after every iteration above: both loops
@@ -20,8 +21,8 @@ The loops (``gradroute.cli.bench.loops``) each train their own copy of the workl
   own, so that the resident set follows the live tensors; it also counts Python objects, such as the router's
   plans, which matter only with tiny tensors). ``rest`` is the memory in use between two iterations.
 
-No target is built in: ``--targets time=1.03,peak=1.01`` prints each ratio to the hand-written loop against
-the bound given (``benchmarks/targets`` holds the project's).
+No bound is built in: ``--targets time=1.03,peak=1.01`` prints each ratio to the hand-written loop against the
+bound given.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.benchmark import Measurement, TaskSpec, timer
+from torch.utils.benchmark import timer
 
 from ..choices import DEFAULT_BATCH
-from ..common import rel_error, resolve_device
-from ..progress import Progress
+from ..common import progress_bar, rel_error, resolve_device
 from .loops import LOOPS, SETUP, Loop, make_loop
+from .measure import round_robin
 from .memory import child_argv, proc_status, reset_hwm, run_children
 from .report import run_fields
 from .runner import bench_dtype, workload_from_args
@@ -55,15 +57,23 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     dtype = bench_dtype(args.dtype, dev)
     loops = {name: loop_from_args(args, name, dev, dtype) for name in LOOPS}
-    progress = Progress(len(LOOPS) * (args.warmup + args.steps + 1), f"bench --step {args.workload}")
+    total = len(LOOPS) * (args.warmup + args.steps + (0 if args.no_memory else 1))
+    progress = progress_bar(total, f"bench --step {args.workload}")
     settled = loops["gradroute"].settle()
     for _ in range(settled):
         loops["hand_cut"].iterate()
-    times = _times(loops, args.steps, args.warmup, progress)
+    times = round_robin(
+        partial(_iteration_seconds, loops),
+        list(loops),
+        steps=args.steps,
+        warmup=args.warmup,
+        progress=progress,
+        label="bench --step",
+    )
     ref = loops[LOOPS[0]]
     results: dict[str, dict[str, Any]] = {
-        name: {"ms": m.median * 1000, "iqr_ms": m.iqr * 1000, "param_diff": _param_diff(loop, ref)}
-        for (name, loop), m in zip(loops.items(), times.values())
+        name: {"ms": times[name].median * 1000, "iqr_ms": times[name].iqr * 1000, "param_diff": _param_diff(loop, ref)}
+        for name, loop in loops.items()
     }
     first = loops["gradroute"]
     results["gradroute"]["autotune"] = first.chosen()
@@ -107,21 +117,12 @@ def loop_from_args(args: argparse.Namespace, name: str, dev: torch.device, dtype
     return make_loop(name, wl, dtype, scaler=dtype == "fp16", static_graph=args.static_graph)
 
 
-def _times(loops: dict[str, Loop], steps: int, warmup: int, progress: Any) -> dict[str, Measurement]:
-    """Seconds per timed iteration, per loop; the loops take turns iteration by iteration."""
-    raw: dict[str, list[float]] = {name: [] for name in loops}
-    for k in range(warmup + steps):
-        for name, loop in loops.items():
-            t0 = timer()
-            loop.iterate()
-            t = timer() - t0
-            if k >= warmup:
-                raw[name].append(t)
-            progress.update(1, f"{'warm-up' if k < warmup else 'time'} {name}")
-    return {
-        name: Measurement(1, times, TaskSpec(stmt=f"{name} iteration", setup="", label="bench --step"))
-        for name, times in raw.items()
-    }
+def _iteration_seconds(loops: dict[str, Loop], name: str) -> float:
+    """One training iteration of the loop ``name``, in seconds."""
+    loop = loops[name]
+    t0 = timer()
+    loop.iterate()
+    return timer() - t0
 
 
 def _param_diff(loop: Loop, ref: Loop) -> float:

@@ -5,31 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from .report import bounded, parse_bounds
+
 #: what ``--targets`` may bound: the router's loop over the hand-written one
 RATIOS = {"time": ("ms", "iteration time (median)"), "peak": ("peak_mib", "whole-iteration peak memory")}
 
 
 def parse_targets(spec: str | None) -> dict[str, float]:
-    """``--targets``: ``"time=1.03,peak=1.01"`` -> ``{"time": 1.03, "peak": 1.01}`` (upper bounds on the ratios).
-
-    Raises:
-        ValueError: an unknown name, a value that is not a positive number, or an empty specification.
-    """
-    if spec is None:
-        return {}
-    out: dict[str, float] = {}
-    for item in (s.strip() for s in spec.split(",")):
-        name, sep, value = item.partition("=")
-        if name not in RATIOS or not sep:
-            raise ValueError(f"`--targets` takes NAME=BOUND with NAME in {', '.join(RATIOS)}, got {item!r}")
-        try:
-            bound = float(value)
-        except ValueError:
-            bound = float("nan")
-        if not bound > 0:
-            raise ValueError(f"`--targets`: the bound of {name!r} must be a positive number, got {value!r}")
-        out[name] = bound
-    return out
+    """``--step --targets``: ``"time=1.03,peak=1.01"`` -> ``{"time": 1.03, "peak": 1.01}`` (upper bounds on the
+    ratios of :data:`RATIOS`; see :func:`gradroute.cli.bench.report.parse_bounds`)."""
+    return parse_bounds(spec, RATIOS)
 
 
 def step_targets(results: dict[str, dict[str, Any]], bounds: dict[str, float]) -> dict[str, Any]:
@@ -40,9 +25,7 @@ def step_targets(results: dict[str, dict[str, Any]], bounds: dict[str, float]) -
         if mine is None or not hand:
             continue
         ratio = mine / hand
-        out[name] = {"ratio": ratio}
-        if name in bounds:
-            out[name].update(target=f"<= {bounds[name]}", met=ratio <= bounds[name])
+        out[name] = {"ratio": ratio, **bounded(ratio, "<=", bounds.get(name))}
     return out
 
 

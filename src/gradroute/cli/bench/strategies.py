@@ -5,8 +5,7 @@
 * ``sum`` -- one backward of ``loss_up + loss_down``: the cost floor, wrong gradients (each loss leaks into
   the other group).
 * ``no_retain`` -- ``loss_up.backward(inputs=up)`` then ``loss_down.backward(inputs=down)`` without
-  ``retain_graph``, the common answer to the question this project started from: crashes (the first call
-  frees the shared graph).
+  ``retain_graph``, the common first attempt: crashes (the first call frees the shared graph).
 * ``retain_twice`` -- ``loss_up.backward(retain_graph=True)``, keep the upstream grads, ``loss_down.backward()``,
   put the upstream grads back: two full backwards.
 * ``freeze`` -- the same two full backwards, with the other group's ``requires_grad`` switched off around each.

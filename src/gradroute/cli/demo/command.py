@@ -6,13 +6,13 @@ pictures of that caption.
 ``loss = mse(pred, noise, reduction="none")``; the text encoder is trained on ``loss.mean()`` and the UNet on
 ``(loss * mask).mean()`` (the shape's region only), routed by :class:`gradroute.Router` from ONE forward.
 
-Each group has its own AdamW, ``warmup_power`` scheduler and gradient clipping, with the settings of the
-question this project started from (docs/training_step.md: text encoder lr 1e-7 and weight decay 1e-3, UNet
-lr 1e-6 and weight decay 1e-2, betas (0.9, 0.99), eps 1e-7, 30 warmup steps, decay exponent 5, clipping at
-1.0) except for the learning rates, scaled up 2000 times (text encoder 2e-4, UNet 2e-3; still ten times apart)
-because the question fine-tunes pretrained networks for thousands of steps and the demo trains from scratch
-in about a minute; the warmup is 10% of the steps (30 for the default 300). Precision: fp16 autocast with a
-``GradScaler`` on CUDA, fp32 on CPU (``--dtype bf16`` for bf16 autocast).
+Each group has its own AdamW, ``warmup_power`` scheduler and gradient clipping, with the fine-tuning
+settings of docs/training_step.md (text encoder lr 1e-7 and weight decay 1e-3, UNet lr 1e-6 and weight decay
+1e-2, betas (0.9, 0.99), eps 1e-7, 30 warmup steps, decay exponent 5, clipping at 1.0) except for the learning
+rates, scaled up 2000 times (text encoder 2e-4, UNet 2e-3; still ten times apart) because those settings
+fine-tune pretrained networks for thousands of steps and the demo trains from scratch in about a minute; the
+warmup is 10% of the steps (30 for the default 300). Precision: fp16 autocast with a ``GradScaler`` on CUDA,
+fp32 on CPU (``--dtype bf16`` for bf16 autocast).
 
 At step 0 the plan is printed and the routed gradients are compared with an independent reference (a fresh
 forward per loss and ``torch.autograd.grad``); the demo fails (exit code 1) if they differ. At the end it
@@ -39,11 +39,10 @@ import torch
 import gradroute
 from gradroute.schedules import warmup_power
 
-from ..common import autocast, has_matplotlib, resolve_device, resolve_dtype
+from ..common import autocast, has_matplotlib, progress_bar, resolve_device, resolve_dtype
 from ..data import make_batch
 from ..models import forward_losses, make_models
 from ..noise import SCHEDULE
-from ..progress import Progress
 from .check import check, reference
 from .distributed import init_distributed, shard, wrap_ddp
 from .plot import plot
@@ -187,7 +186,7 @@ def _train(
     gen = torch.Generator().manual_seed(args.seed)
     log: list[dict[str, Any]] = []
     plan, step0 = "", {}
-    progress = Progress(args.steps, "demo", enabled=where.is_main)
+    progress = progress_bar(args.steps, "demo", enabled=where.is_main)
     for k in range(args.steps):
         batch = make_batch(args.batch_size, gen, device=dev)
         t0 = time.perf_counter()
@@ -210,11 +209,12 @@ def _train(
             torch.cuda.synchronize(dev)
         row = _log_row(k, (time.perf_counter() - t0) * 1000, stats)
         log.append(row)
-        progress.update(
-            1,
+        progress.set_postfix_str(
             f"loss tenc {row['loss_tenc']:.4f} unet {row['loss_unet']:.4f} | "
             f"lr {row['lr_tenc']:.1e}/{row['lr_unet']:.1e} | {row['ms']:.0f} ms/step",
+            refresh=False,
         )
+        progress.update()
     progress.close()
     return plan, step0, log
 

@@ -5,7 +5,7 @@ after it has updated), its scheduler; as an ordinary exception and as a ``Keyboa
 compares the whole state (parameters, every ``.grad``, optimizer state, schedulers, scaler, counters) before
 and after with ``torch.equal``, then checks that the retried run is bit-identical to a run that never failed.
 
-``atomic_step="copy"`` undoes every fault; the default (by ordering, NOTE [Atomic step by ordering]) undoes the
+``atomic_step="copy"`` undoes every fault; the default (by ordering, NOTE [Atomic step]) undoes the
 faults of the first part (hooks) exactly, holds a real Ctrl-C (SIGINT) until the step ends, and documents that
 an optimizer or scheduler raising inside its own ``step()`` is not undone.
 """
@@ -157,7 +157,7 @@ def _counters(router: gradroute.Router) -> dict[str, Any]:
 def test_default_step_raising_inside_an_optimizer_or_scheduler_keeps_its_updates_and_trains_on(
     fault: str, scaler: bool
 ) -> None:
-    """NOTE [Atomic step by ordering] rule 4: not undone, the groups stepped before keep their update, the
+    """NOTE [Atomic step] rule 4: not undone, the groups stepped before keep their update, the
     scaler and counters are put back, and after zero_grad() training goes on."""
     run = Run(scaler=scaler)
     run.backward()

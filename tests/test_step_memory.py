@@ -1,5 +1,5 @@
 """The default ``router.step()`` allocates no more than the hand-written loop: no copy of parameters, gradients or
-optimizer state (NOTE [Atomic step by ordering]); ``atomic_step="copy"`` costs what its NOTE says.
+optimizer state (NOTE [Atomic step]); ``atomic_step="copy"`` costs one more copy of them (rule 5).
 
 A dispatch mode follows every tensor storage alive during one step (those alive before it are registered:
 parameters, gradients, optimizer state) and records the peak of their bytes above the bytes before the step.

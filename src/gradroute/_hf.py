@@ -1,28 +1,30 @@
 """Hugging Face model libraries: their activation checkpointing pointed at :func:`gradroute.checkpoint`.
 
 NOTE [Why a helper for transformers]
-diffusers has a public switch that takes the checkpoint function:
-``ModelMixin.enable_gradient_checkpointing(gradient_checkpointing_func=...)``. transformers has none:
-``activation_checkpointing_enable(activation_checkpointing_kwargs=...)`` (and its deprecated alias
-``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``) always wraps
-``torch.utils.checkpoint.checkpoint`` and only forwards keyword arguments to it (checked in transformers 5.23
-and 5.24, the two newest releases). The function is set by ``PreTrainedModel._set_gradient_checkpointing(enable,
-gradient_checkpointing_func, every_n_layers)``, private but stable since 4.35 (the "new format" its public
-switch calls). :func:`enable_checkpointing` is the one place gradroute calls it; the tests run it against both
-releases. It does what the public switch does otherwise, minus ``enable_input_require_grads`` (which only
-reentrant checkpointing needs: ``gradroute.checkpoint`` is not reentrant).
+1. diffusers' public switch takes the checkpoint function
+   (``ModelMixin.enable_gradient_checkpointing(gradient_checkpointing_func=...)``): :func:`enable_checkpointing`
+   calls it with :func:`gradroute.checkpoint`.
+2. transformers' public switch (``activation_checkpointing_enable(activation_checkpointing_kwargs=...)`` and its
+   deprecated alias ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``) always wraps
+   ``torch.utils.checkpoint.checkpoint`` and forwards only keyword arguments, so it cannot take another function.
+   The function is set by ``PreTrainedModel._set_gradient_checkpointing(enable, gradient_checkpointing_func,
+   every_n_layers)``: private, but the one the public switch calls in every release from 4.35 on.
+   :func:`enable_checkpointing` is the one place gradroute calls it, and the tests run it (checked with
+   transformers 5.23 and 5.24).
+3. Otherwise it does what the public switch does, minus ``enable_input_require_grads``: only reentrant
+   checkpointing needs that, and ``gradroute.checkpoint`` is not reentrant.
 
 NOTE [Cut points of diffusers' UNets]
 diffusers' switch checkpoints the layers inside its UNet blocks (resnets, transformer blocks), while the
 tensors its skip connections carry leave from un-checkpointed modules (downsamplers, the transformer models'
 residual adds). Without cuts there, the router cannot interleave its passes through those segments and
-recomputes them once per engine call, like torch's checkpoint (NOTE [Segments the passes cannot interleave]
-in _checkpoint/_api.py). So :func:`enable_checkpointing` also makes cut points of the layers of every
+recomputes them once per engine call, like torch's checkpoint (NOTE [Shared or per-call recomputation] in
+_planner/per_call.py). So :func:`enable_checkpointing` also makes cut points of the layers of every
 diffusers block (the members of its ``resnets``, ``attentions``, ``downsamplers`` and ``upsamplers``
 lists) and of ``conv_in`` and ``time_embedding``:
 
 1. A cut point only gives each consumer of the module's output a view of that output: the gradients are
-   added in the same order as without it (NOTE [Views that sum like the plain graph] in _checkpoint/_views.py),
+   added in the same order as without it (NOTE [A view per consumer] in _checkpoint/_views.py, rules 2-3),
    so a plain backward is bitwise unchanged.
 2. A module that already has the cut-point hook is not given a second one (calling twice changes nothing).
 3. transformers' encoder and decoder layers need none: each layer's output is a segment's output already,

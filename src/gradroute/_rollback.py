@@ -1,47 +1,41 @@
 """Undo for ``router.step()`` and ``router.load_state_dict()``: what a failed step puts back, and how.
 
-NOTE [Atomic step by ordering]
-The default ``Router(atomic_step=True)`` keeps "a failed ``step()`` leaves everything as before" for what user
-code and bad values can raise, without copying parameters or optimizer state:
+NOTE [Atomic step]
+"A failed ``step()`` leaves everything as before", kept two ways: by ordering (``Router(atomic_step=True)``, the
+default: no copy of parameters or optimizer state) and by copies (``atomic_step="copy"``).
 
-1. A real step runs in two parts. The first (``prepare``) does everything that can fail on the user's or the
-   values' account: the checks, ``scaler.unscale_`` per group and its found-inf records, every ``grad_hook``,
-   the gradient norms, the learning rates read for the stats. It changes nothing but the gradients (unscale,
-   hooks) and the scaler's per-optimizer records.
+1. By ordering, a real step runs in two parts. The first (``prepare``) does everything that can fail on the
+   user's or the values' account: the checks, ``scaler.unscale_`` per group and its found-inf records, every
+   ``grad_hook``, the gradient norms, the learning rates read for the stats. It changes nothing but the
+   gradients (unscale, hooks) and the scaler's per-optimizer records, so that it can be undone.
 2. A failure in the first part is undone exactly. The scaler's records are put back (a dictionary, no tensor
-   is copied). An unscaled gradient is multiplied back by the scale it was divided by: ``unscale_`` multiplies
-   by ``1/scale``, and when the scale is a power of two (its initial or loaded value and its growth and backoff
-   factors all are, as torch's defaults) both products are exact, unless an unscaled value is subnormal (below
-   2**-126 in magnitude), where the last bits were already lost. When the scale can be another number, the
-   stepped groups' gradients are copied before the unscale instead. A group with a ``grad_hook`` has its
-   gradients copied before its hook runs (a hook may change them in place and then raise); those copies are
-   dropped when the first part ends, before any optimizer allocates.
-3. The second part (``apply``) changes things irreversibly and runs no user code of the router's own: it
-   applies the clipping (a multiplication by ``max_norm / norm``, not exactly invertible, so it is not done in
-   the first part), then each group's ``optimizer.step`` (through ``scaler.step``), ONE ``scaler.update``, the
-   schedulers, and sets the gradients to None. A ``KeyboardInterrupt`` (SIGINT on the main thread, where the
-   handler is Python's or the user's own) arriving during it is held and raised when the step has finished, so
-   Ctrl-C never leaves half the groups stepped (in every ``atomic_step`` mode). Only torch's own work runs
-   between the first optimizer step and the last scheduler step, unless an optimizer or scheduler is user code.
-4. What the default does not undo: an exception raised inside the second part itself, i.e. inside an
-   optimizer's or a scheduler's own ``step()`` (an out-of-memory error while an optimizer allocates its state,
-   a custom optimizer or a ``LambdaLR`` function that raises). Groups stepped before it keep their update; the
-   scaler and the router's counters are put back (a later ``step()`` is accepted), so call ``zero_grad()`` and
-   go on, or load a checkpoint. ``Router(atomic_step="copy")`` undoes that too, with copies (NOTE [A step is a
-   transaction]); ``atomic_step=False`` undoes neither part's changes to gradients.
-
-NOTE [A step is a transaction]
-With ``Router(atomic_step="copy")`` a real step is a transaction: each change is preceded by a copy of exactly
-what it touches: the gradients of the groups that step before the first unscale, the parameters and optimizer
-state of a group before its optimizer steps, the schedulers before they step; the scaler's state once at the
-start. On any exception (``BaseException``: ``KeyboardInterrupt`` too) the copies are written back, in place
-where the tensor is still there (so DDP's gradient buckets and anything else holding a reference stay valid),
-and the exception propagates unchanged. The copies are dropped when the step returns: while it runs, they cost
-one more copy of the stepped groups' gradients, parameters and optimizer state (with AdamW about four times
-the parameters' bytes more at the step's peak). ``load_state_dict`` always undoes this way.
-
-What no undo can reach: optimizer attributes outside ``state`` and ``param_groups``, and side effects of user
-code (a hook that logged, a file written).
+   copied). An unscaled gradient is multiplied back by the scale it was divided by: when the scale is a power
+   of two (its initial or loaded value and its growth and backoff factors all are, as torch's defaults) both
+   products are exact, except for unscaled values below 2**-126 in magnitude (subnormal), whose last bits the
+   unscale already lost. When the scale can be another number, the stepped groups' gradients are copied before
+   the unscale instead. A group with a ``grad_hook`` has its gradients copied before its hook runs (a hook may
+   change them in place and then raise); those copies are dropped when the first part ends, before any
+   optimizer allocates.
+3. The second part (``apply``) runs no user code of the router's own: the clipping (a multiplication by
+   ``max_norm / norm``, not exactly invertible, hence not in the first part), each group's ``optimizer.step``
+   (through ``scaler.step``), ONE ``scaler.update``, the schedulers, and the gradients set to None. A
+   ``KeyboardInterrupt`` (SIGINT on the main thread, where the handler is Python's or the user's own) arriving
+   during it is held and raised when the step has finished, so that Ctrl-C never leaves half the groups stepped
+   (in every ``atomic_step`` mode).
+4. By ordering, an exception raised inside the second part itself (inside an optimizer's or a scheduler's own
+   ``step()``: an out-of-memory error while an optimizer allocates its state, a custom optimizer or a
+   ``LambdaLR`` function that raises) is not undone: groups stepped before it keep their update; the scaler and
+   the router's counters are put back, so a later ``step()`` is accepted (call ``zero_grad()`` and go on, or
+   load a checkpoint). ``atomic_step=False`` undoes neither part's changes to gradients.
+5. With copies, a real step is a transaction: each change is preceded by a copy of exactly what it touches (the
+   stepped groups' gradients before the first unscale, a group's parameters and optimizer state before its
+   optimizer steps, the schedulers before they step, the scaler's state once at the start). On any exception
+   (``BaseException``, ``KeyboardInterrupt`` too) the copies are written back in place where the tensor is still
+   there, so that DDP's gradient buckets and anything else holding a reference stay valid, and the exception
+   propagates unchanged. The copies cost one more copy of the stepped groups' gradients, parameters and
+   optimizer state while the step runs. ``load_state_dict`` always undoes this way.
+6. No undo reaches optimizer attributes outside ``state`` and ``param_groups``, nor side effects of user code (a
+   hook that logged, a file written).
 """
 
 from __future__ import annotations
@@ -161,7 +155,7 @@ def _restore_hyper(param_groups: list[dict[str, Any]], saved: list[dict[str, Any
 
 
 class Unscaled:
-    """The exact undo of the first part of a default step (NOTE [Atomic step by ordering], rule 2).
+    """The exact undo of the first part of a default step (NOTE [Atomic step], rule 2).
 
     Args:
         scale: the scale the gradients were scaled by (a tensor, or a float), None without a scaler.
@@ -218,8 +212,8 @@ _signals: Any = getattr(signal, "_signal", signal)
 
 @contextlib.contextmanager
 def hold_interrupt() -> Iterator[None]:
-    """Hold a SIGINT that arrives inside the block and deliver it when the block ends (NOTE [Atomic step by
-    ordering], rule 3). Only on the main thread, and only where the SIGINT handler is a Python callable
+    """Hold a SIGINT that arrives inside the block and deliver it when the block ends (NOTE [Atomic step],
+    rule 3). Only on the main thread, and only where the SIGINT handler is a Python callable
     (Python's ``default_int_handler`` or the user's own); elsewhere the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield

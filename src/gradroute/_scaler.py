@@ -98,7 +98,7 @@ class Scaler:
     def unscale_is_exact(self) -> bool:
         """Whether the scale is always a power of two (the scale it starts from, or was loaded with, and its
         growth and backoff factors are), so that multiplying unscaled gradients by it gives them back exactly
-        (see NOTE [Atomic step by ordering])."""
+        (NOTE [Atomic step], rule 2)."""
         try:
             factors = (float(self.scaler.get_growth_factor()), float(self.scaler.get_backoff_factor()))
         except (AttributeError, TypeError):  # a GradScaler look-alike without them

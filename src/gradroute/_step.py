@@ -12,10 +12,10 @@ The order follows PyTorch's AMP notes for several models, losses and optimizers
    the groups whose optimizer stepped, then ``.grad = None`` for every group.
 
 Everything that can be checked is checked before anything is touched (``_step_checks``). The real step runs in
-two parts (``_rollback``, NOTE [Atomic step by ordering]): what can fail on the user's account (unscale,
+two parts (``_rollback``, NOTE [Atomic step]): what can fail on the user's account (unscale,
 hooks, norms) first, undone exactly and without copies of parameters or optimizer state if it raises; then the
 irreversible part (clip, optimizers, update, schedulers, zero), with Ctrl-C held until it ends.
-``atomic_step="copy"`` makes the whole step a transaction with copies (NOTE [A step is a transaction]).
+``atomic_step="copy"`` makes the whole step a transaction with copies (same NOTE, rule 5).
 
 No host sync beyond the hand-written loop's: the scale, norms, losses and found-inf records stay tensors
 (``GroupStats`` reads them when accessed), and an optimizer that skips on the device (fused Adam, AdamW, SGD:
@@ -365,7 +365,7 @@ class Stepper:
         )
 
     def _prepare(self, active: dict[str, Group]) -> _Prepared:
-        """The first part of a real step (NOTE [Atomic step by ordering]): unscale, hooks, norms, the learning
+        """The first part of a real step (NOTE [Atomic step], rules 1-2): unscale, hooks, norms, the learning
         rates; undone exactly (default) if anything raises. No host sync."""
         scale = self._scaler.scale_tensor()
         exact = self.atomic_step is True

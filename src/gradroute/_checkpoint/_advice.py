@@ -2,9 +2,9 @@
 
 NOTE [Advice on missing cut points]
 Where plain code hands a tensor to ops on both sides of a segment (diffusers' skip connections leave from
-un-checkpointed modules), the planner cannot interleave its passes through those segments and recomputes them
-once per engine call (NOTE [Segments the passes cannot interleave] in _api.py). That is exact but slow, and
-``print(router.plan(...))`` was the only place that said so. Rules:
+un-checkpointed modules), the planner recomputes those segments once per engine call (NOTE [Shared or per-call
+recomputation] in _planner/per_call.py): exact but slow, and the fix (cut points) is one call that the user
+would otherwise learn of only from ``print(router.plan(...))``. Rules:
 
 1. The warning is given from the per-call unpack, which runs only where the planner chose per-call
    recomputation.
@@ -13,7 +13,7 @@ once per engine call (NOTE [Segments the passes cannot interleave] in _api.py). 
    calls ``cut_points``); the warning names ``enable_checkpointing(unet)``. Any other segment warns only while
    no cut point at all is alive in the process (the modules to mark are those whose outputs cross the segments,
    which the unpack cannot name); the warning names ``cut_points`` and ``checkpoint_modules``. With cut points,
-   a plan may still recompute per call (a candidate plan of the autotuner that does not interleave), and a
+   a plan may still recompute per call (a candidate of the measured choice that does not interleave), and a
    cut point's hook removed later still counts: the warning errs on the side of silence.
 3. Not under FSDP2, where the passes are never interleaved (docs/distributed.md): cut points would not help.
 4. At most once per routed backward, and one message text per segment class, so that Python's default warning

@@ -1,28 +1,7 @@
 """The public functions: ``checkpoint``, ``checkpoint_modules`` and ``cut_points`` (user guide: docs/checkpointing.md).
 
-NOTE [Interleaving shared segments]
-Kept between the first and the last engine call through a segment, the recomputed tensors would pile up if
-one pass went through a whole shared region before the next pass started. So the planner interleaves the
-passes chunk by chunk (the text encoder's pass through the top chunk of segment k with retain, then the
-UNet's pass through it, freeing it, then the next chunk, ..., then segment k-1): a segment's recomputation
-is freed as the passes go down it, and a retaining call holds about one chunk's worth of activations that a
-plain backward would already have freed. A chunk is at least ``PlanOptions.chunk`` nodes and ends at a clean
-line, one that no tensor crosses with consumers on both sides (between two layers of a block, not inside a
-residual block). That needs cuts (NOTE [Why a view per consumer] in _views.py), and the segment's nodes are
-recognised by their sequence numbers (NOTE [Segments by sequence number] in _registry.py). Inside a chunk,
-the first call keeps what the next needs, except what cheap ops can remake (NOTE [Remade tensors] in
-_remakes.py). What stays above a plain backward's peak is then what matrix products, convolutions, norms and
-attention made in one chunk, and the second cotangent: at every cut, both passes' gradients are alive.
-
-NOTE [Segments the passes cannot interleave]
-A tensor that plain, un-checkpointed code hands to ops on both sides of a segment still has one node for
-both; the planner then has to put the segments in between into one call (diffusers' skip connections leave
-from its downsamplers and transformer models). One retaining call would recompute most of the UNet and keep
-it all for the other pass. The planner sees it coming (the recomputed bytes that shared segments would hold
-at once, against the largest segment's, ``PlanOptions.held_factor``) and puts those segments' nodes in
-``Session.recompute_per_call``: each is recomputed once per engine call and every recomputed tensor dropped
-once used, at torch's cost in time. The plan says so in a note; ``cut_points`` or ``checkpoint_modules``
-give the router the cuts it needs instead.
+How the planner uses the segments: NOTE [Interleaving shared segments] (``_planner/chunks.py``) and NOTE [Shared or
+per-call recomputation] (``_planner/per_call.py``).
 """
 
 from __future__ import annotations

@@ -1,21 +1,23 @@
 """The frame (one call of ``checkpoint``) and its recomputation.
 
-NOTE [Frame lifetime]
-A frame holds its segment's inputs for the recomputation (through ``_SaveInputs``, so that an enclosing
-checkpoint's hooks save them in turn) and weak references to the placeholders its forward saved. Nothing
-else holds the frame but the segment's nodes (the unpack hook's closure), so the inputs go as soon as the
-segment's nodes are freed by their last engine call, not when the routed backward returns. Nothing here may
-hold a tensor of the recomputed graph either: that graph's nodes hold the recomputation's pack hook, and such
-a tensor would close a cycle through C++ that the cycle collector cannot see.
-
 NOTE [Recomputation]
-Like torch's non-reentrant checkpoint (``torch/utils/checkpoint.py``): the first unpack of a placeholder for
-a given key replays the segment's forward (RNG state of the CPU and of the inputs' device, and autocast
-state, replayed by the ``replay`` closure ``checkpoint`` made) under saved-tensor hooks whose pack hook
-files the k-th saved tensor into the k-th placeholder, under that key. With ``early_stop`` the replay is cut
-short once the last placeholder is filled. A shared recomputation (``shared=True``, see NOTE [Remade tensors]
-in _remakes.py) also records the cheap ops, and at the end keeps a remake only where no tensor it involves
-was modified in place after it was recorded.
+A frame recomputes its segment like torch's non-reentrant checkpoint (``torch/utils/checkpoint.py``), and keeps its
+inputs no longer than the segment's nodes live.
+
+1. The first unpack of a placeholder for a given key (NOTE [Recomputation keys] in _hooks.py) replays the
+   segment's forward, with the RNG state of the CPU and of the inputs' device and the autocast state of the
+   original forward (the ``replay`` closure ``checkpoint`` made), under saved-tensor hooks whose pack hook
+   files the k-th saved tensor into the k-th placeholder under that key: the replay saves what the forward
+   saved, in the same order. With ``early_stop`` the replay stops once the last placeholder is filled.
+2. A shared recomputation (``shared=True``) also records the cheap ops (NOTE [Remade tensors] in _remakes.py)
+   and, at its end, keeps a remake only where no tensor it involves was modified in place after it was
+   recorded: a remake must give the tensor the forward saved.
+3. A frame holds its segment's inputs (through ``_SaveInputs``, so that an enclosing checkpoint's hooks save
+   them in turn) and only weak references to the placeholders its forward saved. Nothing but the segment's
+   nodes (the unpack hook's closure) holds the frame, so the inputs go as soon as those nodes are freed by
+   their last engine call, not when the routed backward returns.
+4. Nothing here holds a tensor of the recomputed graph: that graph's nodes hold the recomputation's pack hook,
+   and such a tensor would close a cycle through C++ that the cycle collector cannot see.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, frame: Frame, key: Any, recorder: RemakeRecorder | None) -> None:
         self.recorder = recorder
-        self.pending: list[Pending] = []  # placeholders only, no tensor (NOTE [Frame lifetime])
+        self.pending: list[Pending] = []  # placeholders only, no tensor (NOTE [Recomputation], rule 4)
         # a closure, not a bound method: the hooks object holds its pack hook, and a cycle through it would
         # keep the frame (and the segment's inputs) alive until the cycle collector runs
         super().__init__(_filer(frame, key, recorder, self.pending), _identity)

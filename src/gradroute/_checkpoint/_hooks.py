@@ -121,7 +121,7 @@ def _take(p: Placeholder, key: Any) -> torch.Tensor:
 
 
 def _forgetter(frame: Frame, key: Any) -> Callable[[], None]:
-    """``frame.forget(key)``, without keeping the frame alive (NOTE [Frame lifetime] in _frame.py)."""
+    """``frame.forget(key)``, without keeping the frame alive (NOTE [Recomputation] in _frame.py, rule 3)."""
     ref = weakref.ref(frame)
 
     def forget() -> None:

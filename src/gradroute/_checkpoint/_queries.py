@@ -36,8 +36,8 @@ def segments(nodes: Iterable[Any] | None = None) -> list[tuple[int, int]]:
 
     Args:
         nodes: the autograd nodes of the graph being planned: the answer is then the segments of the threads
-            that recorded the segments among them (sequence numbers are per thread, see NOTE [Segment registry
-            per thread]). ``None``: the calling thread's segments (right when the graph was built in it).
+            that recorded the segments among them (sequence numbers are per thread: NOTE [Segment registry],
+            rule 3). ``None``: the calling thread's segments (right when the graph was built in it).
     """
     if nodes is None:
         return this_thread().ranges()

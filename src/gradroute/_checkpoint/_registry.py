@@ -1,28 +1,28 @@
 """The segment registry: which autograd nodes belong to which live checkpointed segment, for the planner.
 
-NOTE [Segments by sequence number]
-The planner must know which nodes of the graph it plans belong to which ``gradroute.checkpoint`` segment (to
-cut shared segments into chunks, and to weigh what a shared recomputation holds). A segment's nodes are the
-ones created between two autograd sequence numbers: ``checkpoint`` reads the next number before and after
-the forward, and a node belongs to the segment whose range ``[first, end)`` holds its ``_sequence_nr()``.
-Nested segments are reported as their outermost one. A range is kept while its frame lives (the frame lives
-while the segment's nodes do), weakly; the record is pruned when it has grown past twice its live size
-after the last prune, so forwards that are never routed (or whose plan comes from the cache) do not grow it.
+NOTE [Segment registry]
+The planner must know which nodes of the graph it plans belong to which ``gradroute.checkpoint`` segment, to
+cut shared segments into chunks and to weigh what a shared recomputation holds.
 
-NOTE [Segment registry per thread]
-Autograd's sequence numbers are per thread: two threads number their nodes from the same counter values, so
-one process-wide list of ranges would mix them up (a node of thread B taken for a member of thread A's
-segment). Each thread records its segments in a registry of its own; a placeholder (what a segment's nodes
-save) knows its thread's registry, so the planner can ask for the segments of the graph it plans:
-``segments(nodes)`` looks up the registries of the placeholders those nodes saved. Without nodes,
-``segments()`` answers with the calling thread's registry: right whenever the graph was built in the thread
-that plans it (the router's case: forward and backward in one thread). If one graph holds segments that
-several threads recorded and their ranges overlap, sequence numbers cannot tell them apart: ``segments``
-then reports none, and the planner plans as for a graph without segments (exact; each shared segment still
-recomputed once per routed backward, not interleaved chunk by chunk). A registry is an object, not the
-thread's ident: idents are reused when a thread ends, while its segments may live on. A torch without
-``SavedTensor.data`` (see ``gradroute._compat``) does not show what a node saved: ``segments(nodes)`` then
-answers with the calling thread's registry while no other thread has live segments, and with none otherwise.
+1. A segment's nodes are those created between two autograd sequence numbers: ``checkpoint`` reads the next
+   number before and after the forward, and a node belongs to the segment whose range ``[first, end)`` holds
+   its ``_sequence_nr()``. Nested segments are reported as their outermost one. Sequence numbers need no
+   reference from a node to its segment, which torch does not offer.
+2. A range is kept weakly, while its frame lives (the frame lives while the segment's nodes do); the record is
+   pruned once it has grown past twice its live size since the last prune, so that forwards that are never
+   routed (or whose plan comes from the cache) do not grow it.
+3. Each thread records its segments in a registry of its own: sequence numbers are per thread, so one
+   process-wide list would take a node of thread B for a member of thread A's segment. A registry is an
+   object, not the thread's ident: idents are reused when a thread ends, while its segments may live on.
+4. ``segments(nodes)`` answers with the registries of the placeholders those nodes saved (a placeholder knows
+   its thread's registry); ``segments()`` with the calling thread's, right whenever the graph was built in the
+   thread that plans it (the router's case).
+5. If one graph holds segments of several threads whose ranges overlap, sequence numbers cannot tell them
+   apart: ``segments`` reports none, and the planner plans as for a graph without segments (exact: each shared
+   segment is still recomputed once per routed backward, only not interleaved chunk by chunk).
+6. A torch without ``SavedTensor.data`` (``gradroute._compat``) does not show what a node saved:
+   ``segments(nodes)`` then answers with the calling thread's registry while no other thread has live
+   segments, and with none otherwise (rule 5's fallback).
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def none_live() -> bool:
 
 
 def merged_ranges(registries: Iterable[SegmentRegistry]) -> list[tuple[int, int]]:
-    """The ranges of all ``registries``, sorted; none if two registries' ranges overlap (see NOTE [Segment
-    registry per thread])."""
+    """The ranges of all ``registries``, sorted; none if two registries' ranges overlap (NOTE [Segment
+    registry], rule 5)."""
     out = sorted(r for registry in registries for r in registry.ranges())
     if any(b > c for (_, b), (c, _) in itertools.pairwise(out)):
         return []

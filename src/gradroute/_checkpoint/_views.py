@@ -1,36 +1,31 @@
 """Per-consumer views: a segment's inputs and outputs hand every op that consumes them a view of its own.
 
-NOTE [Why a view per consumer]
-The router interleaves its passes through a shared segment chunk by chunk (``PlanOptions.chunk``), which
-needs cuts between the chunks, and a cut is a ``GradientEdge``: it captures the sum of everything flowing
-into a node input. A tensor consumed by ops on both sides of a cut line would merge both sides' gradients
-into one node input, and the line could not be cut. So every edge into and out of a segment gets an autograd
-node of its own: the tensors a segment takes and returns become ``SegmentTensor``s, and each op that
-consumes one consumes a fresh ``view_as`` of it. ``cut_points`` does the same for chosen modules' outputs
-outside any segment (diffusers' skip connections leave from un-checkpointed modules).
+NOTE [A view per consumer]
+Every edge into and out of a segment gets an autograd node of its own: the tensors a segment takes and returns
+become ``SegmentTensor``s, and each op that consumes one consumes a fresh ``view_as`` of it.
 
-NOTE [Views that sum like the plain graph]
-Outside a routed backward, gradients must be bitwise those of the same code without the views (and so of
-torch's checkpoint, and of no checkpointing): floating-point addition is not associative, and a tensor's
-gradient is the sum of its consumers' in the order the engine runs them. So:
-
-1. Each consumer's view is a view of the plain tensor itself (``SegmentTensor.plain``), not of the
-   ``SegmentTensor``: ``as_subclass`` makes an alias node, and views of it would sum the segment's consumers
-   into that node first and hand the producer one partial sum (``o + (a1 + a2)`` for ``(o + a2) + a1``:
-   1e-7 relative in float32, 1e-3 in bfloat16 on diffusers' UNet, where the segments' inputs have
-   consumers outside them too: skip connections, the time embedding, the cross-attention states).
-2. A view node is made just before its consumer, so it has the next lower sequence number and the engine
-   runs it right after that consumer: the producer receives every gradient in the plain graph's order,
-   added one by one into the same buffer. A view's backward is the identity; the sums are the same.
-3. The alias stays out of the graph that a backward walks: attribute reads and writes (``.grad_fn``,
-   ``.grad``, ``.requires_grad``, ...) and the methods that act on the tensor itself (hooks,
-   ``retain_grad``) go to the plain tensor, as if the caller held it. Only code that bypasses
-   ``__torch_function__`` (a custom ``autograd.Function``'s ``apply``) consumes the alias; its gradient is
-   then summed there first (exact, but not in the plain graph's order).
-4. A leaf is not wrapped: autocast casts a leaf that requires grad once per autocast region and keeps the
-   cast (its cast cache, meant for weights), so every consumer shares one cast node and the gradients are
-   summed in the low precision before the cast back; a view is no leaf and would be cast once per
-   consumer. The planner needs no cut above a leaf (its accumulation node is where every pass ends).
+1. Why: the planner interleaves its passes through a shared segment chunk by chunk (NOTE [Interleaving shared
+   segments] in _planner/chunks.py), and a cut is a ``GradientEdge``, which captures the sum of everything
+   flowing into one node input. A tensor consumed on both sides of a cut line would merge both sides'
+   gradients into one input, and the line could not be cut. ``cut_points`` gives chosen modules' outputs
+   outside any segment the same views (diffusers' skip connections leave from un-checkpointed modules).
+2. Each view is a view of the plain tensor (``SegmentTensor.plain``), not of the ``SegmentTensor``: views of
+   the alias would sum the segment's consumers into the alias node first and hand the producer one partial
+   sum (``o + (a1 + a2)`` for ``(o + a2) + a1``); floating-point addition is not associative, and outside a
+   routed backward the gradients must be bitwise those of the same code without the views (and so of torch's
+   checkpoint, and of no checkpointing).
+3. A view node is made just before its consumer, so it has the next lower sequence number and the engine runs
+   it right after that consumer: the producer receives every gradient in the plain graph's order, added one by
+   one into the same buffer. A view's backward is the identity, so the sums are the plain graph's.
+4. The alias stays out of the graph a backward walks: attribute reads and writes (``.grad_fn``, ``.grad``,
+   ``.requires_grad``, ...) and the methods that act on the tensor itself (hooks, ``retain_grad``) go to the
+   plain tensor, as if the caller held it. Only code that bypasses ``__torch_function__`` (a custom
+   ``autograd.Function``'s ``apply``) consumes the alias, whose gradient is then summed there first: exact,
+   not in the plain graph's order.
+5. A leaf is not wrapped: autocast casts a leaf that requires grad once per autocast region and keeps the cast,
+   so every consumer shares one cast node and the gradients are summed in low precision before the cast back;
+   a view is no leaf and would be cast once per consumer. The planner needs no cut above a leaf: its
+   accumulation node is where every pass ends.
 """
 
 from __future__ import annotations
@@ -47,8 +42,8 @@ class SegmentTensor(torch.Tensor):
     """A tensor a checkpointed segment took or returned: every op that consumes it consumes a view of its own.
 
     The ops return plain tensors; attribute reads and writes (``.shape``, ``.grad_fn``, ``.grad``, ...) and
-    the methods in ``_ON_THE_TENSOR`` act on :attr:`plain`, the tensor it was made from (NOTE [Views that sum
-    like the plain graph]).
+    the methods in ``_ON_THE_TENSOR`` act on :attr:`plain`, the tensor it was made from (NOTE [A view per
+    consumer]).
 
     Attributes:
         plain: the plain tensor (the views are its views, so gradients sum where they would without them).
@@ -128,7 +123,7 @@ def _own_views(x: Any) -> Any:
 def consumer_views(x: Any) -> Any:
     """A segment's input or output as a :class:`SegmentTensor` (every consuming op gets a view of its own).
 
-    A leaf stays itself (NOTE [Views that sum like the plain graph], rule 4).
+    A leaf stays itself (NOTE [A view per consumer], rule 5).
     """
     if (
         isinstance(x, torch.Tensor)

@@ -9,13 +9,26 @@ from .._compat import node_sequence_nr
 from .._graph import Graph, stateless
 from .masks import several
 
-# NOTE [Interleaving through shared segments]
-# A gradroute.checkpoint segment that several passes enter is recomputed once and shared: its recomputed
-# tensors live until the last pass through each node frees it. If one retaining call went down the whole
-# segment before the other pass started, all of it would be alive at once. So the passes are cut between
-# chunks of the segment, and their calls interleave chunk by chunk (schedule.py): each chunk's recomputation
-# is freed as the passes go down. A chunk boundary must be a clean line (see chunk_shared_segments), or the
-# cut between the chunks would not be clean either.
+# NOTE [Interleaving shared segments]
+# A gradroute.checkpoint segment that several passes enter is recomputed once and shared: its recomputed tensors
+# live from the first call through a node until the call that frees it. If one retaining call went down the
+# whole segment before the other pass started, the whole recomputation would be alive at once. So:
+#   1. The passes are cut between chunks of the segment and their calls interleave chunk by chunk (schedule.py):
+#      the text encoder's pass through the top chunk of segment k with retain, then the UNet's pass through it,
+#      freeing it, then the next chunk, ..., then segment k-1. Each chunk's recomputation is freed as the passes
+#      go down, and a retaining call holds about one chunk more than a plain backward would.
+#   2. A chunk is at least ``PlanOptions.chunk`` nodes and ends at a clean line, one that no tensor crosses with
+#      consumers on both sides (between two layers of a block, not inside a residual block): otherwise the cut
+#      between the chunks would not be clean either (NOTE [Why a cut can be unclean] in conflicts.py).
+#   3. Cuts at a segment's boundary need an edge per consumer (NOTE [A view per consumer] in
+#      _checkpoint/_views.py); a segment's nodes are recognised by their sequence numbers (NOTE [Segment
+#      registry] in _checkpoint/_registry.py).
+#   4. Inside a chunk, the first call keeps what the next needs, except what cheap ops can remake (NOTE [Remade
+#      tensors] in _checkpoint/_remakes.py). What stays above a plain backward's peak is what matrix products,
+#      convolutions, norms and attention made in one chunk, and the second cotangent: at every cut, both passes'
+#      gradients are alive.
+#   5. Where the passes cannot interleave, the segments are recomputed per call instead (NOTE [Shared or
+#      per-call recomputation] in per_call.py).
 
 
 def segment_of(seq: int, ranges: Sequence[tuple[int, int]], starts: Sequence[int]) -> int:

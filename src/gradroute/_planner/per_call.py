@@ -11,14 +11,19 @@ from .._graph import Graph
 from .chunks import segment_of
 
 # NOTE [Shared or per-call recomputation]
-# Shared, a segment's recomputed tensors live from the first call through the segment (which recomputes it)
-# until the call that frees their node. Where the passes interleave chunk by chunk that is about one segment
-# at a time; where they cannot (a tensor that plain code hands to ops on both sides of the segments, e.g.
-# diffusers' skip connections from its downsamplers), one retaining call recomputes a whole run of segments
-# and all of them stay alive until the other pass has been through them: on SD-1.5 at 512 px, several times
-# the summed backward's peak. Such segments are recomputed once per engine call instead, each recomputed
-# tensor dropped once its node has used it, as torch.utils.checkpoint does (the executor hands the nodes to
-# the session: Session.recompute_per_call, read by gradroute.checkpoint's unpack hook).
+# A tensor that plain, un-checkpointed code hands to ops on both sides of a segment (diffusers' skip connections
+# leave from its downsamplers and transformer models) has one node for both sides, so the planner cannot cut
+# there and must put the segments in between into one call. One retaining call then recomputes a whole run of
+# segments, and all of it stays alive until the other pass has been through it.
+#   1. The planner sees it coming: the bytes that shared recomputations would hold at once after a call,
+#      against the largest segment's times ``PlanOptions.held_factor`` (``recompute_per_call``).
+#   2. The segments holding the most are then recomputed once per engine call instead, each recomputed tensor
+#      dropped once its node has used it, as torch.utils.checkpoint does: torch's cost in time, no pile-up. The
+#      executor hands their nodes to the session (``Session.recompute_per_call``), which gradroute.checkpoint's
+#      unpack hook reads (NOTE [Recomputation keys] in _checkpoint/_hooks.py).
+#   3. The plan says so in a note, and the router warns (NOTE [Advice on missing cut points] in
+#      _checkpoint/_advice.py): ``cut_points`` or ``checkpoint_modules`` give the planner the cuts it needs to
+#      interleave instead (NOTE [Interleaving shared segments] in chunks.py).
 
 
 @dataclass(frozen=True)

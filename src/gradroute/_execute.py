@@ -109,24 +109,25 @@ def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
 
 
 # NOTE [Undoing a failed routed backward]
-# A routed backward must refuse a graph that an earlier backward freed, even in part, with every ``.grad`` as
-# it was: the engine reports a freed node only when it runs it, possibly after earlier calls (or earlier nodes
-# of the same call) wrote ``.grad``. Two ways keep that promise:
-#   - the walk's probe (``_graph.walk``) reads one saved tensor of every node that keeps tensors before the
-#     first engine call: about a third of the walk, the largest part of the router's own cost per backward
-#     after the sweep itself when tensors are small;
-#   - undoing: when every routed parameter's ``.grad`` is None before the backward (the usual case: zero_grad
-#     with set_to_none before each step, no accumulation), putting None back undoes every write. Then the
-#     walk skips the probe, and anything the engine raises (a freed node, an out-of-memory error, a hook that
-#     raises, Ctrl-C) leaves ``.grad`` as it was.
-# Undoing cannot take back what runs when a gradient is written: ``register_hook`` and
-# ``register_post_accumulate_grad_hook`` hooks on the parameters (an optimizer stepped in a hook), DDP's
-# all-reduce and FSDP2's reduce-scatter. Backwards where one of these is there, or where a ``.grad`` holds
-# a gradient to add to, probe instead (``undoable``; the router knows about DDP and FSDP2). ``Router.grads``
-# writes no ``.grad``: it needs neither. Not seen: a hook registered on a parameter's ``AccumulateGrad`` node
-# itself (``node.register_hook``; torch lists a node's hooks nowhere), which a freed graph can then trigger
-# for the parameters written before the engine meets the freed node. Undoing the writes of a backward that
-# adds to earlier gradients would take a second gradient buffer while it runs (or a copy): not done.
+# A routed backward must refuse a graph that an earlier backward freed, even in part, with every ``.grad`` as it
+# was; the engine reports a freed node only when it runs it, possibly after earlier calls (or earlier nodes of
+# the same call) wrote ``.grad``. One of two ways keeps that promise:
+#   1. Probe: the walk reads one saved tensor of every node that keeps tensors before the first engine call
+#      (NOTE [One walk: structure, signature and the freed check] in _graph.py). It works for every backward,
+#      at a cost per node, which is why it is the second way's fallback.
+#   2. Undo: when every routed parameter's ``.grad`` is None before the backward (the usual case: zero_grad with
+#      set_to_none before each step, no accumulation), putting None back undoes every write. Then the walk skips
+#      the probe, and anything the engine raises (a freed node, an out-of-memory error, a hook that raises,
+#      Ctrl-C) leaves ``.grad`` as it was.
+#   3. Undo cannot take back what runs when a gradient is written: ``register_hook`` and
+#      ``register_post_accumulate_grad_hook`` hooks on the parameters (an optimizer stepped in a hook), DDP's
+#      all-reduce, FSDP2's reduce-scatter. Backwards where one of these is present, or where a ``.grad`` holds a
+#      gradient to add to, probe instead (``undoable``; the router knows about DDP and FSDP2). Undoing writes
+#      that add to earlier gradients would take a second gradient buffer (or a copy) while the backward runs.
+#   4. ``Router.grads`` writes no ``.grad``: it needs neither.
+#   5. Not seen: a hook registered on a parameter's ``AccumulateGrad`` node itself (``node.register_hook``; torch
+#      lists a node's hooks nowhere), which a freed graph can then trigger for the parameters written before the
+#      engine meets the freed node.
 
 
 def undoable(routes: Sequence[Route]) -> bool:

@@ -91,16 +91,17 @@ def walk(roots: list[Node], params: dict[int, int], *, probe: bool = True) -> Gr
     ``.grad``, or whose writes the router can undo (NOTE [Undoing a failed routed backward] in ``_execute.py``).
 
     NOTE [One walk: structure, signature and the freed check]
-    This runs on every routed backward, cache hit or not, and costs about a microsecond per node in a real
-    step (torch making a Python object for each node ``next_functions`` hands out, and the memory it touches,
-    cold after the forward): it is the router's largest fixed cost in the host-bound regime, so everything
-    per node is done in this one loop, with as few Python objects and calls as it can (the edges go into one
-    flat list; the adjacency lists the planner reads are made from it on a cache miss only). The freed check
-    looks only at nodes that keep tensors (their classes have saved attributes), at the first defined saved
-    tensor each holds: a non-retaining backward releases all of a node's saved tensors at once
-    (``node_state``). It runs on the whole graph, so a graph freed only in part (another loss's
-    ``.backward()`` freed the nodes they share) is refused before any engine call. It is about a third of the
-    walk; without it, the engine refuses a freed node it reaches when it runs it.
+    1. This runs on every routed backward, cache hit or not, and is the router's largest fixed cost when the
+       host is the bottleneck (torch makes a Python object for each node ``next_functions`` hands out, and the
+       nodes' memory is cold after the forward). So everything per node is done in this one loop, with as few
+       Python objects and calls as it can: the edges go into one flat list, and the adjacency lists the
+       planner reads are made from it on a cache miss only.
+    2. The freed check looks only at nodes that keep tensors (their classes have saved attributes), at the
+       first defined saved tensor of each: a non-retaining backward releases all of a node's saved tensors at
+       once (``node_state``), so one tells for all.
+    3. It looks at the whole graph, so a graph freed only in part (another loss's ``.backward()`` freed the
+       nodes they share) is refused before any engine call. Where the router can undo a failed backward, the
+       check is skipped (``probe=False``), and the engine refuses a freed node when it reaches it.
     """
     index: dict[Node, int] = {}
     nodes: list[Node] = []

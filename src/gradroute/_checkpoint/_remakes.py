@@ -1,20 +1,22 @@
 """Remade tensors: which saved tensors of a shared recomputation cheap ops made from other saved tensors.
 
 NOTE [Remade tensors]
-Several engine calls go through a shared segment, and the first one must keep every recomputed tensor for
-the next. A tensor that pointwise ops, dtype casts and views made from other saved tensors (SiLU of a norm's
-output cast by autocast for a convolution, GELU and the gated product in a feed-forward, flattened for the
-next linear) is cheap to make again: its placeholder keeps the ops instead (a ``Remake``), and the tensor is
-dropped as soon as each call has used it, as a plain backward would drop it. What the first call then keeps
-beyond a plain backward is what matrix products, convolutions, norms and attention made. Random ops and
-in-place ops are not remade, nor is a tensor modified in place after it was made (checked by version
-counters at the end of the recomputation). Tensors are matched by their data (storage, offset, shape,
-strides, dtype), not by object: autograd hands views on as new objects.
+Several engine calls go through a shared segment, and the first must keep every recomputed tensor for the next.
+A tensor that cheap ops made from other saved tensors need not be kept:
 
-The price is a Python dispatch mode during shared recomputations (a few µs per op; SD-1.5 shapes only: about
-0.09 s more host time in a 1.2 s routed backward, see BENCHMARKS.md) and the cheap ops run once more per
-call; so only segments that save ``PlanOptions.remake_min_bytes`` or more record remakes (sd-tiny's do not:
-they cost it 6% of a step and saved nothing).
+1. What is remade: tensors that pointwise ops, dtype casts and views made from other saved tensors (SiLU of a
+   norm's output cast by autocast for a convolution, GELU and the gated product in a feed-forward, flattened
+   for the next linear). Their placeholder keeps the ops (a ``Remake``) and the tensor is dropped as soon as
+   each call has used it, as a plain backward drops it; what the first call keeps beyond a plain backward is
+   then what matrix products, convolutions, norms and attention made.
+2. Never remade: the outputs of random ops and in-place ops, and a tensor modified in place after it was made
+   (checked by version counters at the end of the recomputation): making them again would not give the tensor
+   the forward saved.
+3. Tensors are matched by their data (storage, offset, shape, strides, dtype), not by object: autograd hands
+   views on as new objects.
+4. Recording costs a Python dispatch mode during shared recomputations, and the cheap ops run once more per
+   call; so only segments that save ``PlanOptions.remake_min_bytes`` or more record remakes, where the bytes
+   saved outweigh that host time (BENCHMARKS.md has the figures).
 """
 
 from __future__ import annotations

@@ -155,16 +155,17 @@ def pull_stateless(
     """Move stateless nodes up into their predecessors' stage where that leaves fewer gradient edges cut.
 
     NOTE [Stateless nodes at a cut]
-    A tensor consumed by several ops reaches each through a view or a transpose: its gradient comes back in
-    as many edges, which the engine sums into one. Numbered as late as possible, those stateless nodes land
-    in the later call, and the cut runs above them: the earlier call captures one gradient per consumer and
-    hands each to the later one (five for the text encoder's output in the demo's UNet). Run in the earlier
-    call instead, they leave one edge, as a hand cut at the tensor does: one captured gradient held between
-    the calls instead of one per consumer, and one hand-off. A node moves unless that cuts more distinct
-    edges (``(node, input slot)``), to the latest stage of its predecessors, which has a call already (not
-    if that is below its ``lower`` bound): the numbering stays monotone, no call is added, and a stateless
-    node may run in a call of either kind. Ties move too: the first of a tensor's consumers to move cuts as
-    many edges as before, the others then fewer.
+    A tensor consumed by several ops reaches each through a view or a transpose, and its gradient comes back in
+    as many edges, which the engine sums into one. Numbered as late as possible, those stateless nodes land in
+    the later call and the cut runs above them: the earlier call captures one gradient per consumer and hands
+    each to the later one. Run in the earlier call, they leave one edge, as a hand cut at the tensor does: one
+    captured gradient held between the calls, and one hand-off.
+      1. A node moves unless that cuts more distinct edges (``(node, input slot)``). Ties move too: the first of
+         a tensor's consumers to move cuts as many edges as before, the others then fewer.
+      2. It moves to the latest stage of its predecessors, and not at all if that is below its ``lower`` bound:
+         that stage has a call already, so no call is added and the numbering stays monotone.
+      3. A stateless node may run in a call of either kind (NOTE [Stage numbers]), so the move frees nothing
+         early and keeps nothing longer.
 
     Args:
         members: the pass's nodes, in topological order (predecessors first).

@@ -4,35 +4,38 @@ Nothing here imports ``accelerate``: the wrappers are recognised through ``sys.m
 exist unless ``accelerate`` was imported), so ``import gradroute`` stays light.
 
 NOTE [What accelerator.backward does, and what the router does instead]
-``Accelerator.backward(loss)`` (accelerate 1.x) divides the loss by ``gradient_accumulation_steps`` (except
-under DeepSpeed, whose engine divides itself), then: DeepSpeed runs ``engine.backward`` (its own scaling,
-accumulation boundary and ZeRO-partitioned gradients); Megatron-LM does nothing (its train step runs the
-backward); with a ``GradScaler`` (fp16) it calls ``scaler.scale(loss).backward()``; with a LOMO optimizer it
-runs the fused backward-and-update; otherwise ``loss.backward()``. Which processes all-reduce is decided
-elsewhere: ``accelerator.accumulate(model)`` enters DDP's ``no_sync`` around the forward and backward of every
-micro-batch but the last of a window (DDP reads the switch in its forward), and sets ``sync_gradients``, which
-the prepared optimizer (``AcceleratedOptimizer``: steps and zeroes only when it is True, and calls
-``scaler.step`` and ``scaler.update`` itself) and scheduler (``AcceleratedScheduler``: steps only when it is
-True, once per process unless ``split_batches``) read.
+``Accelerator.backward(loss)`` (accelerate 1.x) divides the loss by ``gradient_accumulation_steps`` (except under
+DeepSpeed, whose engine divides itself), then runs, by setup: DeepSpeed's ``engine.backward`` (its own scaling,
+accumulation boundary and ZeRO-partitioned gradients); nothing under Megatron-LM (its train step runs the
+backward); ``scaler.scale(loss).backward()`` with a ``GradScaler`` (fp16); the fused backward-and-update of a
+LOMO optimizer; else ``loss.backward()``. Which processes all-reduce is decided elsewhere:
+``accelerator.accumulate(model)`` enters DDP's ``no_sync`` around every micro-batch but the last of a window and
+sets ``sync_gradients``, which the prepared optimizer (``AcceleratedOptimizer``: steps and zeroes only when it is
+True, and calls ``scaler.step`` and ``scaler.update`` itself) and scheduler (``AcceleratedScheduler``) read.
 
-``Router(..., accelerator=accelerator)`` therefore divides every routed loss by the accelerator's
-``gradient_accumulation_steps`` (read on every backward: it is a settable property) and scales it with
-``accelerator.scaler``; it leaves DDP's switch to ``accumulate()``. The single-process and DDP setups
-(``distributed_type`` NO and MULTI_*) are the ones where that is all Accelerate's backward does. DeepSpeed,
-Megatron-LM, FSDP (Accelerate's plugin: FSDP1 flattens parameters, and neither version is tested through
-Accelerate; ``fully_shard`` without Accelerate is, see docs/distributed.md), XLA and LOMO optimizers are refused
-when the router is built (LOMO again on every backward: the optimizer may be prepared later).
+1. ``Router(..., accelerator=accelerator)`` divides every routed loss by the accelerator's
+   ``gradient_accumulation_steps``, read on every backward (it is a settable property), and scales it with
+   ``accelerator.scaler``: that is all Accelerate's backward does in the single-process and DDP setups
+   (``distributed_type`` NO and MULTI_*).
+2. It leaves DDP's switch to ``accumulate()``: DDP reads it in its forward, before the router is involved.
+3. DeepSpeed, Megatron-LM, Accelerate's FSDP plugin (FSDP1 flattens parameters; neither version is tested through
+   Accelerate, while ``fully_shard`` without Accelerate is: docs/distributed.md), XLA and LOMO optimizers are
+   refused when the router is built, since their backward is not "divide, scale, backward"; LOMO again on every
+   backward, since the optimizer may be prepared later.
 
 NOTE [Prepared optimizers and schedulers in a Group]
-``AcceleratedOptimizer.step`` calls ``scaler.update()`` for every optimizer, so with one optimizer per group
-the scale would change once per group and iteration (PyTorch's AMP notes: once per iteration). The router
-therefore steps the torch optimizer inside (``prepared.optimizer``) with the accelerator's scaler, and updates
-the scale once. A prepared scheduler is kept as it is and stepped through its wrapper on real steps, so it
-steps as Accelerate's would (once per process and real step unless ``split_batches``: diffusers sizes its
-schedules for that). Real steps are Accelerate's: ``router.step()`` steps when ``accelerator.sync_gradients``
-is True (the last micro-batch of an ``accumulate()`` window, or the end of the data loader) and only counts the
-micro-batch otherwise. Without ``accelerator=`` a prepared optimizer or scheduler is refused: the router
-would neither scale the losses with the accelerator's scaler nor know its accumulation window.
+1. The router steps the torch optimizer inside a prepared one (``prepared.optimizer``) with the accelerator's
+   scaler and updates the scale once: ``AcceleratedOptimizer.step`` calls ``scaler.update()`` itself, so with
+   one optimizer per group the scale would change once per group and iteration (PyTorch's AMP notes: once per
+   iteration).
+2. A prepared scheduler is kept as it is and stepped through its wrapper on real steps, so that it steps as
+   Accelerate's would: once per process and real step unless ``split_batches`` (diffusers sizes its schedules
+   for that).
+3. Real steps are Accelerate's: ``router.step()`` steps when ``accelerator.sync_gradients`` is True (the last
+   micro-batch of an ``accumulate()`` window, or the end of the data loader) and otherwise only counts the
+   micro-batch.
+4. Without ``accelerator=`` a prepared optimizer or scheduler is refused: the router would neither scale the
+   losses with the accelerator's scaler nor know its accumulation window.
 
 NOTE [Silent N x gradients]
 ``accelerator.backward`` divides by ``gradient_accumulation_steps``; a router that was not told would not,

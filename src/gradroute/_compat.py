@@ -6,9 +6,13 @@ torch's private names from here only, so that a torch release that moves or drop
 with a clear error) in this file.
 
 NOTE [Private torch APIs]
-Where a public API does the job it is used instead (autocast state: ``torch.is_autocast_enabled(device)``,
-``torch.get_autocast_dtype``, ``torch.is_autocast_cache_enabled``, not ``torch.utils.checkpoint``'s
-``_get_autocast_kwargs``, whose keyword changed from ``device`` (2.4) to ``device_type`` (2.5)). The rest:
+1. Where a public API does the job it is used instead, so that no release can break it (autocast state:
+   ``torch.is_autocast_enabled(device)``, ``torch.get_autocast_dtype``, ``torch.is_autocast_cache_enabled``, not
+   ``torch.utils.checkpoint``'s ``_get_autocast_kwargs``, whose keyword is ``device`` in 2.4 and ``device_type``
+   from 2.5).
+2. Every other private API is taken from here only, and the table says which releases have it and what gradroute
+   does without it: a release that moves or drops one is then handled (or refused with a clear error) in this
+   file, and ``make test-matrix`` runs the tests on every supported minor release.
 
 ==========================================  ============  ======================================================
 API                                         releases      without it
@@ -25,7 +29,7 @@ API                                         releases      without it
 ``torch._C._current_graph_task_id``,        all           -
 ``torch._C._current_autograd_node``
 ``torch._C._get_graph_exec_group``          2.10+ [6]_    no ``GraphExecGroup`` can be in effect: keyed by the
-                                                          engine's graph task, as torch's checkpoint then did
+                                                          engine's graph task, as torch's checkpoint is there
 ``torch._C._DisableAutocast``               all           -
 ``torch.autograd.graph._engine_run_backward``  all        ``torch.autograd.backward``/``grad`` (their checks,
                                                           repeated per engine call)
@@ -88,14 +92,18 @@ torch.compile internals (``gradroute.compile``):
 .. [6] not in 2.5 to 2.9 (tested: 2.5.1 to 2.9.1), in 2.10.0 and every later release tested.
 
 NOTE [Freed-graph probe without SavedTensor.data]
-The router refuses a loss whose graph an earlier backward freed before it touches anything, by looking at
-the raw saved tensors near the loss without unpacking them (unpacking runs saved-tensor hooks: a
-checkpoint would recompute). Without ``SavedTensor.data`` the state is read from
-``SavedTensor.register_hooks``, the documented way to hook a saved tensor after the fact: it raises on a
-freed one ("after it has been freed") and on one that has hooks ("already been set"), and leaves both as
-they were. On a live one without hooks it succeeds: that tensor then goes through an identity pair of
-hooks that keep it as it was saved and check its version at unpack time, as the engine does for tensors
-without hooks. The probe stops at the first live tensor, so at most one tensor per routed loss is hooked so.
+The freed check (NOTE [One walk: structure, signature and the freed check] in _graph.py) looks at raw saved
+tensors without unpacking them: unpacking runs saved-tensor hooks, and a checkpoint would recompute.
+
+1. Where ``SavedTensor.data``, ``.unpack_hook`` and ``.unpack()`` exist (``SAVED_DATA``), they tell a live tensor
+   from a freed one and change nothing.
+2. Without them, the state is read through ``SavedTensor.register_hooks``, the documented way to hook a saved
+   tensor after the fact: it raises on a freed one ("after it has been freed") and on one that has hooks
+   ("already been set"), and leaves both as they were.
+3. On a live tensor without hooks it succeeds, so that tensor then goes through an identity pair of hooks that
+   keep it as it was saved and check its version at unpack time, as the engine does for tensors without hooks:
+   the gradients are unchanged.
+4. The probe stops at the first live tensor, so at most one tensor per routed loss is hooked so.
 """
 
 from __future__ import annotations

@@ -18,32 +18,30 @@ from . import _compat
 
 # NOTE [Compiled backwards specialised per engine call]
 # torch.compile turns a module's forward and backward into one custom autograd.Function (AOTAutograd's
-# CompiledFunction); its backward node (CompiledFunctionBackward) runs one compiled backward graph that returns
-# the gradient of every input, parameters included, whatever the engine needs: ctx.needs_input_grad is all True
-# under backward(inputs=...)/autograd.grad (pytorch#174017). A routed pass that only needs the gradient at a
-# compiled UNet's input (the text encoder's loss) thus computes all of the UNet's weight gradients and drops them.
-#
-# gradroute.compile wraps the backend's backward compiler. AOTAutograd compiles the backward lazily, on its first
-# call, and hands the compiler the backward FX graph (saved tensors and tangents in, one gradient per forward
-# input out). The wrapper keeps that graph and returns a dispatcher. On each call, running inside the engine, the
-# dispatcher looks at the node being executed (torch._C._current_autograd_node: the CompiledFunctionBackward
-# node) and asks the engine, for each of its next edges, whether this graph task will execute the node the edge
-# leads to (torch._C._will_engine_execute_node; under autograd.grad a captured leaf raises instead of answering:
-# it is needed). The gradients the engine will not use are replaced by None in a copy of the graph, dead code is
-# eliminated, and that variant is compiled with the backend's own compiler and cached per mask. A routed
-# backward through a compiled UNet typically needs three variants of its backward: all gradients (a plain
-# backward), the input gradient only (the text encoder's pass) and the weight gradients only (the UNet's pass).
-#
-# The backward graph's outputs follow the forward's flat inputs (the "primals" placeholders of the forward graph,
-# recorded when it is compiled), while the node's next edges follow its *tensor* inputs only (a dynamic shape
-# passes SymInts too): the recorded placeholders map one onto the other. When they do not line up (tensor
-# subclasses, effect tokens, functionalised RNG on CUDA add inputs or outputs), the full graph runs: exact, not
-# pruned. A variant that fails to compile falls back to the full graph with a warning.
-#
-# The forward is compiled as usual (inductor's or aot_eager's). AOTAutograd's cache is switched off for these
-# graphs: on a hit it would load a compiled backward without calling the wrapped compiler. Buffer donation (the
-# compiled backward reusing saved activations as gradient buffers) is switched off too: a routed pass retains
-# the graph, which donation forbids, and with donation off torch._functorch.config.donated_buffer needs no change.
+# CompiledFunction), whose backward node (CompiledFunctionBackward) runs one compiled graph that returns the
+# gradient of every input, parameters included, whatever the engine needs: ctx.needs_input_grad is all True
+# under backward(inputs=...)/autograd.grad (pytorch#174017). A routed pass that needs only the gradient at a
+# compiled UNet's input (the text encoder's loss) would compute all of the UNet's weight gradients and drop them.
+#   1. gradroute.compile wraps the backend's backward compiler. AOTAutograd compiles the backward on its first
+#      call and hands the compiler the backward FX graph (saved tensors and tangents in, one gradient per forward
+#      input out); the wrapper keeps that graph and returns a dispatcher.
+#   2. On each call, inside the engine, the dispatcher asks the engine, for each next edge of the node being
+#      executed (torch._C._current_autograd_node), whether this graph task will execute the node the edge leads
+#      to (torch._C._will_engine_execute_node; under autograd.grad a captured leaf raises instead of answering:
+#      it is needed). The engine discards the gradients it will not execute, so they may be left out.
+#   3. Those outputs are replaced by None in a copy of the graph, dead code is eliminated, and that variant is
+#      compiled with the backend's own compiler and cached per mask. A routed backward through a compiled UNet
+#      typically needs three: all gradients (a plain backward), the input gradient only (the text encoder's
+#      pass) and the weight gradients only (the UNet's pass).
+#   4. The backward graph's outputs follow the forward's flat inputs (the forward graph's "primals" placeholders,
+#      recorded when it is compiled), the node's next edges its tensor inputs only (a dynamic shape passes
+#      SymInts too): the recorded placeholders map one onto the other. Where they do not line up (tensor
+#      subclasses, effect tokens, functionalised RNG on CUDA add inputs or outputs), the full graph runs: exact,
+#      not pruned. A variant that fails to compile falls back to the full graph, with a warning.
+#   5. The forward is compiled as usual (inductor or aot_eager). AOTAutograd's cache is off for these graphs: a
+#      hit would load a compiled backward without calling the wrapped compiler. Buffer donation (the compiled
+#      backward reusing saved activations as gradient buffers) is off too: a routed pass retains the graph, which
+#      donation forbids.
 
 # Every private torch API this module needs (the engine's state during a backward, the aot_eager and inductor
 # backends' parts, AOTAutograd's contexts, cache and ids) comes from _compat, which says per API which releases

@@ -2,21 +2,19 @@
 
 NOTE [Routing state is per call]
 A saved-tensor unpack hook must know whether the engine call it runs in belongs to a routed backward, and to
-which. Two places can run it: the thread that called ``Router.backward`` (the engine runs CPU work on the
-calling thread) and autograd's device threads (CUDA work), which inherit nothing from the caller, neither
-thread-locals nor ``contextvars``. So a session is found in two ways:
+which. It runs on the thread that called ``Router.backward`` (the engine runs CPU work there) or on one of
+autograd's device threads (CUDA work), which inherit nothing from the caller, neither thread-locals nor
+``contextvars``. So:
 
-* the calling thread's own routed backward, in a ``threading.local`` (set for the duration of the call);
-* for any other thread, by the engine's graph task: a routed call puts a pre-hook on the nodes its engine
-  calls start from, which records ``graph task id -> session`` before any other node of that call runs
-  (every node of an engine call runs after the node it starts from). Graph task ids are unique in the
-  process; the entries are dropped when the routed call returns. (A tensor hook on a start node's tensor runs
-  before that record on a device thread; saved-tensor unpacks, which is what ``gradroute.checkpoint`` does,
-  run inside the nodes and always after it.)
-
-Nothing is process-global "current": concurrent ``Router.backward`` calls from several threads each see their
-own session, a plain backward in another thread sees none, and a call that returns (or raises) leaves nothing
-behind.
+1. The calling thread finds its own routed backward in a ``threading.local``, set for the duration of the call.
+2. Any other thread finds it by the engine's graph task: a routed call puts a pre-hook on the nodes its engine
+   calls start from, which records ``graph task id -> session`` before any other node of that call runs (every
+   node of an engine call runs after the node it starts from). Graph task ids are unique in the process.
+   Saved-tensor unpacks, which is what ``gradroute.checkpoint`` does, run inside the nodes and so always after
+   that record (a tensor hook on a start node's tensor may run before it on a device thread).
+3. The entries are dropped when the routed call returns or raises, and nothing is a process-wide "current":
+   concurrent ``Router.backward`` calls from several threads each see their own session, and a plain backward
+   in another thread sees none.
 """
 
 from __future__ import annotations

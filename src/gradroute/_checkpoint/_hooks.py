@@ -1,22 +1,22 @@
 """The saved-tensor hooks of a segment's original forward: save placeholders, and unpack in one of three modes.
 
 NOTE [Recomputation keys]
-A placeholder holds one recomputed tensor per key. The key is the routed backward in progress
-(``_session.current()``, one ``Router.backward``/``Router.grads`` call) when there is one, else the
-``torch.utils.checkpoint.GraphExecGroup`` in effect, else the engine's graph task, exactly as torch does.
-Which one decides the unpack mode:
+A placeholder holds one recomputed tensor per key, so that concurrent backwards through one segment do not share
+a recomputation they do not both run.
 
-- shared (``_unpack_shared``): inside a routed backward, every engine call through the segment is served
-  by one recomputation, kept until the node that saved each tensor is freed (its last call runs without
-  ``retain_graph``), and whatever is left is dropped when the routed backward returns. Tensors that cheap
-  ops can remake are dropped after each use (NOTE [Remade tensors] in _remakes.py).
-- per call (``_unpack_per_call``): inside a routed backward, for the nodes the planner put in
-  ``Session.recompute_per_call`` (segments the passes could not interleave, whose shared recomputations
-  would pile up): one recomputation per engine call, each tensor dropped once used and what is left at the
-  end of the call, like torch.
-- plain (``_unpack_plain``): outside a routed backward, like torch's non-reentrant checkpoint: one
-  recomputation per engine call (graph task) that needs the segment, each recomputed tensor dropped as
-  soon as it has been handed to the backward.
+1. The key is the routed backward in progress (``_session.current()``: one ``Router.backward``/``Router.grads``
+   call) when there is one, else the ``torch.utils.checkpoint.GraphExecGroup`` in effect, else the engine's
+   graph task, exactly as torch keys its own checkpoint.
+2. Shared (``_unpack_shared``), inside a routed backward: every engine call through the segment is served by
+   one recomputation, kept until the node that saved each tensor is freed (its last call runs without
+   ``retain_graph``); whatever is left is dropped when the routed backward returns. Tensors that cheap ops can
+   remake are dropped after each use (NOTE [Remade tensors] in _remakes.py).
+3. Per call (``_unpack_per_call``), inside a routed backward, for the nodes in ``Session.recompute_per_call``
+   (NOTE [Shared or per-call recomputation] in _planner/per_call.py): one recomputation per engine call, each
+   tensor dropped once used and what is left at the end of the call, like torch.
+4. Plain (``_unpack_plain``), outside a routed backward: like torch's non-reentrant checkpoint, one
+   recomputation per engine call (graph task) that needs the segment, each tensor dropped as soon as it has
+   been handed to the backward.
 """
 
 from __future__ import annotations

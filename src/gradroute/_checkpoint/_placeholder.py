@@ -10,14 +10,13 @@ import torch
 from .._compat import CheckpointError, no_autocast, version
 
 # NOTE [Placeholder values]
-# A segment's nodes save a Placeholder instead of each tensor (the pack hook of the original forward). The
-# recomputation files the recomputed tensor into ``values[key]``, one entry per recomputation key (a routed
-# backward, or one engine call / GraphExecGroup outside one, see NOTE [Recomputation keys] in _hooks.py).
-# An entry is
-#   - a tensor: recomputed and not yet used (or kept for the next engine call of a routed backward);
-#   - None: a plain (torch-like) backward used it; unpacking it again is an error, as in torch;
-#   - REMADE_ON_USE: a routed engine call used it and dropped it, because cheap ops can make it again from
-#     other placeholders' tensors (``remake``, see NOTE [Remade tensors] in _remakes.py).
+# A segment's nodes save a Placeholder instead of each tensor (the pack hook of the original forward); the
+# recomputation files the recomputed tensor into ``values[key]``, one entry per recomputation key (NOTE
+# [Recomputation keys] in _hooks.py). An entry is one of three, so that each unpack knows what to do:
+#   1. a tensor: recomputed and not yet used, or kept for the next engine call of a routed backward;
+#   2. None: a plain (torch-like) backward used it; unpacking it again is an error, as in torch;
+#   3. REMADE_ON_USE: a routed engine call used it and dropped it, because cheap ops can make it again from other
+#      placeholders' tensors (``remake``, NOTE [Remade tensors] in _remakes.py).
 # Everything goes when the autograd node that saved the placeholder is freed.
 
 

@@ -1,8 +1,8 @@
 """The saved-tensor hooks of a segment's original forward: save placeholders, and unpack in one of three modes.
 
 NOTE [Recomputation keys]
-A placeholder holds one recomputed tensor per key, so that concurrent backwards through one segment do not share
-a recomputation they do not both run.
+A placeholder holds one recomputed tensor per key, so that two backwards running through one segment at once (two
+threads, or a routed backward and a plain one) each get a recomputation of their own.
 
 1. The key is the routed backward in progress (``_session.current()``: one ``Router.backward``/``Router.grads``
    call) when there is one, else the ``torch.utils.checkpoint.GraphExecGroup`` in effect, else the engine's

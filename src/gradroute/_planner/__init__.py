@@ -1,7 +1,7 @@
 """The planner: from the autograd graph of the routed losses to a list of engine calls.
 
-A pipeline of small steps, each a function of its inputs with a frozen result (see NOTE [Terms used by the
-planner] in ``build.py``):
+A pipeline of small steps, each a function of its inputs with a frozen result (NOTE [Free at the last use] in
+``build.py``; the words are docs/design.md's glossary):
 
 * ``reach.py`` -- which routes' losses reach which nodes and parameters (:class:`Reach`);
 * ``passes.py`` -- routes merged into passes (:class:`Passes`);

@@ -19,21 +19,20 @@ from .reach import reach
 from .schedule import schedule
 from .stage import PassInputs, PassStages, stage_pass
 
-# NOTE [Terms used by the planner]
-# * route -- one group name with its loss tensors (summed) and its parameters.
-# * pass -- one or more routes whose losses are backpropagated together. Routes are merged into one pass when
-#   that is exact: no loss of the pass reaches a parameter that only another route of the pass owns.
-# * need -- the autograd nodes a pass must execute: on a path from one of its losses to one of its
-#   parameters. This is exactly the set the engine executes for ``backward(inputs=params)``.
-# * last use -- passes run in an order; a node's last use is the last pass that needs it. Executing a node
-#   without ``retain_graph`` frees its saved tensors, so every node must be executed with
-#   ``retain_graph=False`` exactly at its last use, and with ``retain_graph=True`` before.
-# * stage, call -- a pass is split at the edges where the label (retain or free) changes. Each stage is one
-#   engine call (a :class:`Call`); the gradients flowing across such an edge are captured as
-#   ``GradientEdge`` inputs of one call and fed as ``GradientEdge`` outputs of the next ("edges out" and
-#   "edges in"; unrelated to ``gradroute.cut_points``, which gives a module's output a view per consumer).
-# * stateless -- a node that keeps no tensors (a view, an add): it may run in calls of either kind.
-# Nothing here touches ``.grad``: the executor (``_execute.py``) runs the calls.
+# NOTE [Free at the last use]
+# What every plan keeps, whatever its options (the words are those of docs/design.md's glossary):
+#   1. Routes merge into one pass only where that is exact: no loss of the pass reaches a parameter that only
+#      another route of the pass owns (it would leak into it).
+#   2. A pass needs the nodes on a path from one of its losses to one of its parameters: exactly what the engine
+#      executes for ``backward(inputs=params)``, so a call's gradients are those of a plain backward per route.
+#   3. Executing a node without ``retain_graph`` frees its saved tensors; so every node is executed with
+#      ``retain_graph=False`` exactly at its last use and with ``retain_graph=True`` before: freed earlier, a
+#      later pass would fail; kept, the saved tensors would outlive the backward while the caller holds the losses.
+#   4. A pass is split into stages (one engine call each, a :class:`Call`) where its nodes switch between
+#      retained and freed. The gradients flowing across such an edge are captured as ``GradientEdge`` inputs of
+#      one call and fed as outputs of the next ("edges out", "edges in"; unrelated to ``gradroute.cut_points``).
+#   5. A stateless node (a view, an add) keeps no tensors, so it may run in a call of either kind.
+#   6. Nothing here touches ``.grad``: the executor (``_execute.py``) runs the calls.
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class PlanCache:
        used dropped first; with one entry per call shape, alternating graphs would be analysed on every call.
     2. A lookup compares the signatures of the call shape's entries, newest first; unequal ones usually differ
        in length, which list equality checks first.
-    A cache is used by one thread at a time (the router holds a lock around planning).
+    3. A cache is used by one thread at a time (the router holds a lock around planning), so it takes no lock.
 
     Args:
         size: the most analyses kept.

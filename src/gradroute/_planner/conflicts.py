@@ -8,11 +8,14 @@ from .._graph import Graph
 from .numbering import Stage, at_or_after, at_or_before
 
 # NOTE [Why a cut can be unclean]
-# The engine executes every node on a path from a call's starting edges to its captured edges and targets.
-# If a call captures (or accumulates) node j, and a node p of a later stage also feeds j, the earlier call
-# executes p too, out of turn. Such a conflict is resolved by moving nodes or by merging stages (resolve).
-# A hook reading one edge instead of a capture does not work: the engine computes no gradient for an edge
-# whose target the call does not need.
+#   1. The engine executes every node on a path from a call's starting edges to its captured edges and targets.
+#      So if a call captures (or accumulates into) node j, and a node p of a later stage also feeds j, the
+#      earlier call executes p too, out of turn: the calls would no longer split the pass's nodes between them,
+#      and the retain/free decisions made per call would not hold for p.
+#   2. Such a conflict is resolved by moving nodes or by merging stages (``resolve``), until every call executes
+#      exactly its own nodes.
+#   3. A hook reading one edge cannot replace a capture: the engine computes no gradient for an edge whose
+#      target the call does not need.
 
 
 def find_conflict(g: Graph, stage: Mapping[int, Stage], targets: Collection[int]) -> tuple[Stage, Stage, int] | None:

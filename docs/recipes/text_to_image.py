@@ -4,7 +4,7 @@ The structure is that of diffusers' ``examples/text_to_image`` scripts that trai
 optimizer, the text encoder's parameters in a parameter group of their own with ``--text_encoder_lr``,
 ``accelerator.accumulate``, ``accelerator.clip_grad_norm_`` over both networks, a prepared scheduler); the
 models and data are the stand-ins of ``tiny.py``. Each example carries a 0/1 mask: the UNet learns the masked
-region only, the text encoder the whole image (the question gradroute started from).
+region only, the text encoder the whole image.
 
 Run::
 

@@ -268,7 +268,7 @@ def run_engine(
     ``accumulate``, else ``torch.autograd.grad(outputs, inputs, seeds, retain_graph=retain, allow_unused=True)``.
 
     Straight into the engine: the seeds are made here with the right shapes and dtypes, so the public
-    functions' argument checks (about 45 us of Python per call, most of a host-bound call's own cost) are
+    functions' argument checks (Python, most of a call's own cost when the host is the bottleneck) are
     skipped. A torch without that entry (``entry`` None) gets the public functions.
     """
     if entry is not None:

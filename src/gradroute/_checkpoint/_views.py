@@ -102,7 +102,7 @@ def _own_views(x: Any) -> Any:
     """``x`` with every :class:`SegmentTensor` in it replaced by a view of its own.
 
     An op's arguments are a tuple of tensors, numbers and lists of tensors almost always: those are mapped
-    here directly (``tree_map`` took about 15 us per op, most of the views' cost in the host-bound regime);
+    here directly (``tree_map`` costs more per op than the views themselves when the host is the bottleneck);
     any other container goes through ``tree_map``.
     """
     kind = type(x)

@@ -23,7 +23,7 @@ class Stage(NamedTuple):
     whether it runs with ``retain_graph=True``.
 
     A named tuple rather than a frozen dataclass: the planner compares, hashes and makes stages per node and
-    per edge, and a tuple does that in C (with a dataclass, the planner's cache misses were measurably slower).
+    per edge, and a tuple does that in C, where a dataclass does it in Python.
 
     Attributes:
         number: the position, from 0 (ordering compares it first; two stages of one numbering with the same

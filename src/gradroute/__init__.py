@@ -1,6 +1,6 @@
 """gradroute: exact routed gradients for chained networks from one forward pass.
 
-Each loss trains only its own network; the engine passes, their ``inputs=``, retains and order come from the
+Each loss trains only its own network; the engine calls, their ``inputs=``, retains and order come from the
 autograd graph. See :class:`Router`.
 """
 

@@ -52,7 +52,7 @@ def stage_pass(
 ) -> PassStages:
     """Split pass ``p`` into calls of one label each; where a cut is not clean, merge the calls involved.
 
-    ``chunk_of`` maps the nodes of checkpoint segments that several passes traverse to their chunk's position
+    ``chunk_of`` maps the nodes of checkpoint segments that several passes enter to their chunk's position
     (see :func:`~.chunks.chunk_shared_segments`): such passes are cut between chunks too, so that their calls
     interleave chunk by chunk and each shared recomputation is freed as the passes go down it. ``split``
     False: one call, retaining if a later pass needs any of its nodes (``PlanOptions.split``).

@@ -97,11 +97,12 @@ def test_markdown_python_blocks_run_in_order(doc, capsys):
         assert namespace["stats"] is not None
         out = capsys.readouterr().out
         # "Static graphs": backwards follow a static graph from the third on, and a changed one is refused
-        assert "GraphCounts(walked=2, followed=2, planned=1)\n" in out
+        assert "GraphCounts(walked=2, followed=2, planned=1, plain=0)\n" in out
         assert "`static_graph` was set, but the autogr\n" in out
     if doc == "docs/static_graphs.md":  # followed from the third backward on; a changed graph refused untouched
         out = capsys.readouterr().out
-        assert "GraphCounts(walked=2, followed=2, planned=1)\n`static_graph` was set, but the autogr\nTrue\n" in out
+        counts = "GraphCounts(walked=2, followed=2, planned=1, plain=0)\n"
+        assert counts + "`static_graph` was set, but the autogr\nTrue\n" in out
         assert "autotune: candidate #" in out
     if doc == "docs/compile.md":  # gradroute.compile compiled the UNet's backward and its variants
         assert namespace["stats"].backwards == 1 and namespace["stats"].variants >= 2

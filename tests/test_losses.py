@@ -105,3 +105,95 @@ def test_same_loss_that_reaches_none_of_one_group_fails():
     assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])
     gradroute.Router(tenc=tenc, unet=unet, allow_unreached=["tenc"]).backward(tenc=loss, unet=loss)
     assert all(p.grad is not None for p in unet.parameters())
+
+
+# ---------------------------------------------------------------- one plain call (NOTE [One plain call without a walk])
+
+_STEPS = ["chain", "outside", "frozen", "accumulate", "hooked", "chain", "tied", "late_branch", "chain"]
+
+
+def _step_losses(kind: str, tenc: nn.Module, unet: nn.Module, head: nn.Module, k: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(k)
+    x, target = torch.randn(5, 4, generator=g, dtype=D), torch.randn(5, 4, generator=g, dtype=D)
+    hidden = tenc(x)
+    if kind == "outside":  # a module in no group requires grad: a plain backward would write it, routing must not
+        hidden = hidden + head(x)
+    if kind == "late_branch":  # a second path from the text encoder into the loss, from this step on
+        return (unet(hidden) - target).pow(2).mean() + hidden.pow(2).mean()
+    return (unet(hidden) - target).pow(2).mean()
+
+
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+def test_same_loss_sequence_of_changing_graphs_exact(order):
+    tenc, unet, head = _nets()
+    kinds = _STEPS if order == "forward" else _STEPS[::-1]
+    groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
+    router = gradroute.Router(groups)
+    plain_expected = 0
+    for k, kind in enumerate(kinds):
+        tenc[0].bias.requires_grad_(kind != "frozen")
+        tied = {"tenc": [*groups["tenc"], unet[0].weight], "unet": groups["unet"]} if kind == "tied" else groups
+        r = gradroute.Router(tied) if kind == "tied" else router
+        handle = tenc[0].weight.register_hook(lambda g: g * 2) if kind == "hooked" else None
+        live = {n: [p for p in ps if p.requires_grad] for n, ps in tied.items()}
+
+        def forward(kind: str = kind, k: int = k) -> dict[str, torch.Tensor]:
+            loss = _step_losses(kind, tenc, unet, head, k)
+            return {"tenc": loss, "unet": loss}
+
+        expected = reference_grads(forward, live)  # with the hook (doubling a gradient) in place
+        for p in [*tenc.parameters(), *unet.parameters(), *head.parameters()]:
+            p.grad = None
+        if kind == "accumulate":  # a gradient to add to: the walk's path, then compared without it
+            before = {id(p): torch.full_like(p, 0.5) for ps in live.values() for p in ps}
+            for ps in live.values():
+                for p in ps:
+                    p.grad = before[id(p)].clone()
+            expected = {i: g + before[i] for i, g in expected.items()}
+        losses = forward()
+        r.backward(**losses)
+        if handle is not None:
+            handle.remove()
+        if r is router and kind not in ("frozen", "accumulate", "hooked"):
+            plain_expected += 1
+        assert_grads_match([p for ps in live.values() for p in ps], expected, rtol=0, atol=0)
+        assert all(p.grad is None for p in head.parameters()), kind
+        assert tenc[0].bias.grad is None or kind != "frozen"
+    tenc[0].bias.requires_grad_(True)
+    assert router.graph_counts.plain == plain_expected
+    assert router.graph_counts.walked == sum(1 for kind in kinds if kind in ("frozen", "accumulate", "hooked"))
+
+
+def test_same_loss_refused_for_an_unreached_group_leaves_the_graph_usable():
+    tenc, unet, _ = _nets()
+    loss = unet(tenc(torch.ones(2, 4, dtype=D)).detach()).pow(2).mean()
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    with pytest.raises(ValueError, match=r"loss for group `tenc` reaches none"):
+        router.backward(tenc=loss, unet=loss)
+    assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])
+    expected = torch.autograd.grad(loss, list(unet.parameters()), retain_graph=True)
+    loss.backward()  # the refused call ran nothing of the graph: it is still whole
+    for p, g in zip(unet.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("failure", ["freed", "hook"])
+def test_same_loss_failure_in_the_engine_leaves_every_grad_none(failure):
+    tenc, unet, _ = _nets()
+    hidden = tenc(torch.ones(2, 4, dtype=D))
+    loss = unet(hidden).pow(2).mean()
+    if failure == "freed":
+        hidden.sum().backward(inputs=list(tenc.parameters()))  # frees the text encoder's part of the graph
+        for p in tenc.parameters():
+            p.grad = None
+        error: type[Exception] = gradroute.GraphFreedError
+    else:
+
+        def fail(g: torch.Tensor) -> torch.Tensor:
+            raise KeyError("from a hook")
+
+        hidden.register_hook(fail)  # runs after the UNet's parameters were written
+        error = KeyError
+    with pytest.raises(error):
+        gradroute.Router(tenc=tenc, unet=unet).backward(tenc=loss, unet=loss)
+    assert all(p.grad is None for p in [*tenc.parameters(), *unet.parameters()])

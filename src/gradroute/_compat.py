@@ -149,6 +149,7 @@ __all__ = [
     "get_autocast_kwargs",
     "get_device_states",
     "grad_and_hooks",
+    "grad_and_hooks_names",
     "inductor_compile",
     "inductor_compile_inner",
     "inductor_config_patch",
@@ -353,9 +354,9 @@ def backward_hooks(t: torch.Tensor) -> dict[Any, Any] | None:
 
 #: ``t -> (t.grad, t's register_hook hooks, its register_post_accumulate_grad_hook hooks)``, the hooks as their
 #: private dicts or None, in one C call (a loop over every routed parameter on each backward calls it)
-grad_and_hooks: Callable[[torch.Tensor], tuple[Any, Any, Any]] = operator.attrgetter(
-    "grad", "_backward_hooks", "_post_accumulate_grad_hooks"
-)
+grad_and_hooks_names = ("grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+"""A tensor's gradient and its two dicts of gradient hooks (None when it has none), by attribute name."""
+grad_and_hooks: Callable[[torch.Tensor], tuple[Any, Any, Any]] = operator.attrgetter(*grad_and_hooks_names)
 
 
 no_autocast: Callable[[], Any] = getattr(torch._C, "_DisableAutocast", contextlib.nullcontext)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from itertools import compress
+from itertools import compress, repeat
 from typing import Any, ClassVar
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from ._compat import backward_hooks, engine_run_backward, grad_and_hooks
+from ._compat import backward_hooks, engine_run_backward, grad_and_hooks_names
 from ._losses import group_names
 from ._options import PlanOptions
 from ._planner import Program
@@ -132,11 +132,15 @@ def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
 def undoable(routes: Sequence[Route]) -> bool:
     """Whether a failed routed backward of ``routes`` can be undone by setting every routed parameter's ``.grad``
     back to None (NOTE [Undoing a failed routed backward]); DDP and FSDP2 are the caller's to rule out."""
-    for r in routes:
-        for grad, hooks, post_hooks in map(grad_and_hooks, r.params):
-            if grad is not None or hooks is not None or post_hooks is not None:
-                return False
+    for r in routes:  # one C-level pass per attribute (host-bound loops); a hooks dict emptied again is no hook
+        if any(map(operator.is_not, map(_grad, r.params), repeat(None))) or any(map(_hooks, r.params)):
+            return False
+        if any(map(_post_hooks, r.params)):
+            return False
     return True
+
+
+_grad, _hooks, _post_hooks = (operator.attrgetter(a) for a in grad_and_hooks_names)
 
 
 def execute(

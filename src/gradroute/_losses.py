@@ -32,10 +32,10 @@ def merge_same_losses(
         if k in taken:
             continue
         same = [j for j in range(k, len(original)) if j not in taken and _same(original[j], first)]
-        if len(same) > 1 and _disjoint(original[j].params for j in same):
+        params = _params(merged, [original[j] for j in same]) if len(same) > 1 else None
+        if params is not None:
             taken.update(same)
             names = tuple(original[j].name for j in same)
-            params = _params(merged, names, [original[j].params for j in same])
             parts = tuple((original[j].name, len(original[j].params)) for j in same)
             out.append(Route(name="+".join(names), losses=routes[k].losses, params=params, parts=parts))
         else:
@@ -72,12 +72,14 @@ def _disjoint(param_sets: Iterator[tuple[torch.Tensor, ...]]) -> bool:
     return True
 
 
-def _params(
-    merged: dict[tuple[str, ...], tuple], names: tuple[str, ...], parts: list[tuple[torch.Tensor, ...]]
-) -> tuple[torch.Tensor, ...]:
+def _params(merged: dict[tuple[str, ...], tuple], same: list[Route]) -> tuple[torch.Tensor, ...] | None:
+    """The parameters of the routes ``same`` (routed the same losses) as one tuple, or None where two of them
+    share a parameter (rule 2); kept in ``merged`` while the routes' parameter tuples are the same objects."""
+    names = tuple(r.name for r in same)
+    parts = tuple(r.params for r in same)
     kept = merged.get(names)
     if kept is not None and len(kept[0]) == len(parts) and all(a is b for a, b in zip(kept[0], parts)):
         return kept[1]  # type: ignore[no-any-return]
-    params = tuple(p for ps in parts for p in ps)
-    merged[names] = (tuple(parts), params)
+    params = tuple(p for ps in parts for p in ps) if _disjoint(iter(parts)) else None
+    merged[names] = (parts, params)
     return params

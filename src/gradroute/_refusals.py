@@ -21,11 +21,16 @@ def check_walked(program: Program, groups: Mapping[str, Group], allow_unreached:
     _check_not_freed(program)
     bad = [n for n in _unreached(program) if n not in allow_unreached]
     if bad:
-        raise ValueError(
-            f"loss for group `{bad[0]}` reaches none of that group's {len(groups[bad[0]].params)} "
-            "parameters (a stray .detach() or torch.no_grad()?); pass "
-            f"Router(..., allow_unreached=[{bad[0]!r}]) if that is intended"
-        )
+        raise ValueError(unreached_message(bad[0], groups))
+
+
+def unreached_message(name: str, groups: Mapping[str, Group]) -> str:
+    """The refusal of a loss for group ``name`` that reaches none of that group's parameters."""
+    return (
+        f"loss for group `{name}` reaches none of that group's {len(groups[name].params)} "
+        "parameters (a stray .detach() or torch.no_grad()?); pass "
+        f"Router(..., allow_unreached=[{name!r}]) if that is intended"
+    )
 
 
 def refuse_reentrant_after(routes: list[Route], error: Exception) -> None:

@@ -20,9 +20,10 @@ from ._group import Group, GroupLike
 from ._loss_checks import checked_losses, merge_named
 from ._losses import merge_same_losses
 from ._options import PlanOptions
+from ._plain import run_plain, runs_plain
 from ._plan_notes import router_plan
 from ._planner import Checkpoints, Plan, PlanCache, Program, StaticGraph, build, call_shape
-from ._refusals import check_walked, refuse_reentrant_after
+from ._refusals import check_walked, refuse_reentrant_after, unreached_message
 from ._router_options import RoutingOptions, make_stepper
 from ._step import StepStats
 from ._types import GraphCounts, Route
@@ -141,7 +142,7 @@ class Router:
         self._static = StaticGraph(routing.static_every) if routing.static_every else None
         self._cache = PlanCache(size=8 if self._tuner is None else 16)  # every candidate's program of two call shapes
         self._lock = threading.Lock()  # one thread plans at a time (the cache and the tuner's state)
-        self._walked = self._followed = 0
+        self._walked = self._followed = self._plain = 0
         self._merged: dict[tuple[str, ...], tuple] = {}  # the parameters of groups routed one loss (``_losses``)
         self._accelerator, self._stepper = make_stepper(
             self._groups,
@@ -179,7 +180,7 @@ class Router:
     @property
     def graph_counts(self) -> GraphCounts:
         """How this router's routed backwards met their graphs so far (:class:`gradroute.GraphCounts`)."""
-        return GraphCounts(walked=self._walked, followed=self._followed, planned=self._cache.misses)
+        return GraphCounts(walked=self._walked, followed=self._followed, planned=self._cache.misses, plain=self._plain)
 
     def backward(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> None:
         """Accumulate each loss's gradient into its own group's ``.grad`` (exact, one forward, no retain).
@@ -208,7 +209,14 @@ class Router:
         check_backward(self._accelerator, self._stepper.accumulate)
         original = self._routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(original)
-        self._route(routes if self._sharded else merge_same_losses(original, routes, self._merged), accumulate=True)
+        merged = routes if self._sharded else merge_same_losses(original, routes, self._merged)
+        if runs_plain(merged, distributed=self._stepper.distributed()):  # NOTE [One plain call without a walk]
+            unreached_group = run_plain(merged[0], self._routing.allow_unreached)
+            if unreached_group is not None:
+                raise ValueError(unreached_message(unreached_group, self._groups))
+            self._plain += 1
+        else:
+            self._route(merged, accumulate=True)
         self._stepper.after_backward(routes)
 
     def grads(

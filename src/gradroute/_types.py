@@ -30,11 +30,14 @@ class GraphCounts:
     """How a router's routed backwards (``backward`` and ``grads``) met their graphs so far.
 
     Attributes:
-        walked: routed backwards that walked the losses' whole autograd graph (all of them, by default).
+        walked: routed backwards that walked the losses' whole autograd graph (by default all of them but those
+            counted in ``plain``).
         followed: routed backwards that followed the paths recorded for a static graph instead
             (``Router(static_graph=True)``).
         planned: graphs analysed: a graph not seen before, or seen with other plan options (the measured
             choice plans each candidate once); a graph seen again reuses its analysis.
+        plain: ``backward`` calls whose groups were all routed the same loss, run as one plain engine call into
+            all of their parameters without looking at the graph.
 
     Examples:
         >>> import torch, gradroute
@@ -43,9 +46,10 @@ class GraphCounts:
         >>> for _ in range(3):
         ...     router.backward(net=net(torch.randn(4, 2)).sum())
         >>> router.graph_counts
-        GraphCounts(walked=3, followed=0, planned=1)
+        GraphCounts(walked=3, followed=0, planned=1, plain=0)
     """
 
     walked: int = 0
     followed: int = 0
     planned: int = 0
+    plain: int = 0

@@ -12,18 +12,20 @@ from typing import Any
 import torch
 
 from . import _checkpoint
-from ._accelerate import adopt_prepared, check_backward, link_accelerator
+from ._accelerate import check_backward
 from ._autotune import Autotune, Tuner
-from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, has_dtensor, live_params
-from ._execute import GraphFreedError, execute, freed_message, undoable
-from ._graph import reaches, root_node
+from ._execute import execute, undoable
 from ._group import Group, GroupLike
-from ._losses import group_names, merge_same_losses, unreached
+from ._loss_checks import checked_losses, merge_named
+from ._losses import merge_same_losses
 from ._options import PlanOptions
 from ._plain import run_plain, runs_plain
-from ._planner import Checkpoints, Plan, PlanCache, Program, StaticGraph, build, refuse_reentrant
-from ._step import Stepper, StepStats
+from ._plan_notes import router_plan
+from ._planner import Checkpoints, Plan, PlanCache, Program, StaticGraph, build, call_shape
+from ._refusals import check_walked, refuse_reentrant_after, unreached_message
+from ._router_options import RoutingOptions, make_stepper
+from ._step import StepStats
 from ._types import GraphCounts, Route
 
 LossLike = torch.Tensor | Sequence[torch.Tensor]
@@ -125,48 +127,31 @@ class Router:
         static_graph: bool | int = False,
         **named_groups: GroupLike,
     ) -> None:
-        specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
+        specs = merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
         if not specs:
             raise ValueError("`Router` needs at least one group, e.g. Router(tenc=text_encoder, unet=unet)")
-        self._groups: dict[str, Group] = {}
-        for name, spec in specs.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"group names must be non-empty strings, got {name!r}")
-            # the router's own copy of a caller's Group: named (and given Accelerate's prepared objects) here only
-            self._groups[name] = copy.copy(spec) if isinstance(spec, Group) else Group(spec, name=name)
-        self._allow_unreached = _check_allow_unreached(allow_unreached, self._groups)
-        if plan_options is None:
-            plan_options = PlanOptions()
-        elif not isinstance(plan_options, PlanOptions):
-            raise TypeError(f"`plan_options` must be a gradroute.PlanOptions, got {type(plan_options).__name__}")
-        self._options = plan_options
-        if isinstance(autotune, bool):
-            settings = Autotune() if autotune else None
-        elif isinstance(autotune, Autotune):
-            settings = autotune
-        else:
-            raise TypeError(f"`autotune` must be a bool or a gradroute.Autotune, got {type(autotune).__name__}")
-        self._tuner = None if settings is None else Tuner(settings, _CHECKPOINTS)
-        every = _check_static_graph(static_graph)
-        self._static = StaticGraph(every) if every else None
-        self._cache = PlanCache(size=8 if settings is None else 16)  # every candidate's program of two call shapes
+        self._groups = {name: _own_group(name, spec) for name, spec in specs.items()}
+        self._routing = routing = RoutingOptions.check(
+            self._groups,
+            allow_unreached=allow_unreached,
+            plan_options=plan_options,
+            autotune=autotune,
+            static_graph=static_graph,
+        )
+        self._tuner = None if routing.autotune is None else Tuner(routing.autotune, _CHECKPOINTS)
+        self._static = StaticGraph(routing.static_every) if routing.static_every else None
+        self._cache = PlanCache(size=8 if self._tuner is None else 16)  # every candidate's program of two call shapes
         self._lock = threading.Lock()  # one thread plans at a time (the cache and the tuner's state)
         self._walked = self._followed = self._plain = 0
         self._merged: dict[tuple[str, ...], tuple] = {}  # the parameters of groups routed one loss (``_losses``)
-        self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
-        if self._accelerator is not None:
-            scaler = self._accelerator.scaler
-        adopt_prepared(self._groups, self._accelerator)
-        self._stepper = Stepper(
+        self._accelerator, self._stepper = make_stepper(
             self._groups,
             scaler=scaler,
             accumulate=accumulate,
             skip_nonfinite=skip_nonfinite,
             atomic_step=atomic_step,
-            window=self._accelerator,
+            accelerator=accelerator,
         )
-        for name, group in self._groups.items():
-            group.name = name
         # the groups whose parameters FSDP2 may have sharded: only theirs are looked up on every backward
         self._sharded = {name for name, group in self._groups.items() if has_dtensor(group.params)}
 
@@ -175,12 +160,12 @@ class Router:
     @property
     def plan_options(self) -> PlanOptions:
         """The planner's settings this router was built with."""
-        return self._options
+        return self._routing.plan
 
     @property
     def autotune(self) -> Autotune | None:
         """The measured choice's settings, or None when it is off."""
-        return None if self._tuner is None else self._tuner.settings
+        return self._routing.autotune
 
     @property
     def autotuning(self) -> bool:
@@ -226,9 +211,9 @@ class Router:
         routes = self._stepper.before_backward(original)
         merged = routes if self._sharded else merge_same_losses(original, routes, self._merged)
         if runs_plain(merged, distributed=self._stepper.distributed()):  # NOTE [One plain call without a walk]
-            unreached_group = run_plain(merged[0], self._allow_unreached)
+            unreached_group = run_plain(merged[0], self._routing.allow_unreached)
             if unreached_group is not None:
-                raise ValueError(self._unreached_message(unreached_group))
+                raise ValueError(unreached_message(unreached_group, self._groups))
             self._plain += 1
         else:
             self._route(merged, accumulate=True)
@@ -254,9 +239,8 @@ class Router:
         with self._lock:
             program, _ = self._program(routes, merge_shared=True)
         named = {name for r in routes for name, _ in r.parts} | {r.name for r in routes}
-        plan = _with_other_groups(program, {n: g.params for n, g in self._groups.items() if n not in named})
-        extra = self._notes(program)
-        return dataclasses.replace(plan, notes=(*plan.notes, *extra)) if extra else plan
+        others = {n: g.params for n, g in self._groups.items() if n not in named}
+        return router_plan(program, others, cache=self._cache if self._static is None else None, tuner=self._tuner)
 
     def step(self) -> StepStats:
         """Close a micro-batch; on every ``accumulate``-th call, step every group's optimizer and scheduler.
@@ -348,6 +332,15 @@ class Router:
 
     # ------------------------------------------------------------------ internals
 
+    def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
+        """The checked losses of a call as routes into their groups' parameters (FSDP2's unsharded ones)."""
+        routes = []
+        for name, tensors in checked_losses(losses, named, what, self._groups).items():
+            params = self._groups[name].params
+            params = live_params(params) if name in self._sharded else params
+            routes.append(Route(name=name, losses=tensors, params=params))
+        return routes
+
     def _route(self, routes: list[Route], *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
         """Plan and run ``routes`` (:meth:`backward` accumulates and merges shared routes; :meth:`grads` collects
         each route's own gradients); a freed graph is refused with every ``.grad`` as it was (NOTE [Undoing a failed
@@ -371,47 +364,8 @@ class Router:
             except Exception as e:
                 if followed and self._static is not None:  # the next backward walks; name the cause
                     self._static.recheck()
-                    self._refuse_reentrant(routes, e)
+                    refuse_reentrant_after(routes, e)
                 raise
-
-    def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
-        given = _merge_named(losses, named, "losses", "loss for group", "group name -> loss", what)
-        if not given:
-            raise ValueError(f"`{what}` needs at least one loss, e.g. {what}(tenc=loss_tenc)")
-        routes = []
-        for name, value in given.items():
-            group = self._groups.get(name)
-            if group is None:
-                raise ValueError(f"unknown group `{name}`; groups are: {', '.join(self._groups)}")
-            if isinstance(value, torch.Tensor):
-                tensors: tuple[torch.Tensor, ...] = (value,)
-            elif isinstance(value, (list, tuple)):
-                tensors = tuple(value)
-                if not tensors:
-                    raise ValueError(f"loss for group `{name}` is an empty {type(value).__name__}")
-            else:
-                raise TypeError(
-                    f"loss for group `{name}` must be a scalar Tensor or a list of them, got {type(value).__name__}"
-                )
-            for k, t in enumerate(tensors):
-                label = f"loss for group `{name}`" + (f" (item {k})" if len(tensors) > 1 else "")
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{label} must be a Tensor, got {type(t).__name__}")
-                if t.numel() != 1:
-                    raise ValueError(f"{label} must be a scalar, got shape {tuple(t.shape)} (reduce it, e.g. .mean())")
-                if not t.is_floating_point():
-                    raise TypeError(
-                        f"{label} must be a real floating-point scalar, got dtype {t.dtype} (a backward needs a "
-                        "real loss: take .abs() or .real of a complex one)"
-                    )
-                if not t.requires_grad:
-                    raise ValueError(
-                        f"{label} does not require grad: it was computed without autograd "
-                        "(under torch.no_grad(), from detached tensors, or from frozen parameters)"
-                    )
-            params = live_params(group.params) if name in self._sharded else group.params
-            routes.append(Route(name=name, losses=tensors, params=params))
-        return routes
 
     def _program(
         self, routes: list[Route], *, merge_shared: bool, backward: bool = False, probe: bool = True
@@ -422,12 +376,11 @@ class Router:
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
         # them: keep each pass through it in one call
         fsdp2 = bool(self._sharded) and fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
-        options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
+        options = dataclasses.replace(self._routing.plan, interleave=False) if fsdp2 else self._routing.plan
         # a static graph is followed once nothing is being measured, and never under DDP or FSDP2 (their hooks
         # expect the plan's parameters): NOTE [Static graphs] in _planner/follow.py
-        static = self._static
-        if not backward or self._sharded or self._stepper.distributed() or self.autotuning:
-            static = None
+        follow = backward and not (self._sharded or self._stepper.distributed() or self.autotuning)
+        static = self._static if follow else None
 
         def make(options: PlanOptions, graph: Any = None) -> Program:
             return build(
@@ -445,158 +398,25 @@ class Router:
         if self._tuner is None:
             program, trial = make(options), _NOTHING
         else:
-            shape = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
+            shape = call_shape(routes, merge_shared=merge_shared, options=options)
             program, trial = self._tuner.program(shape, options, routes, make, measure=backward)
         if backward:
             if program.graph.followed:
                 self._followed += 1
             else:
                 self._walked += 1
-        _check_not_freed(program)
-        bad = [n for n in _unreached(program) if n not in self._allow_unreached]
-        if bad:
-            raise ValueError(self._unreached_message(bad[0]))
+        check_walked(program, self._groups, self._routing.allow_unreached)
         return program, trial
 
-    def _unreached_message(self, name: str) -> str:
-        return (
-            f"loss for group `{name}` reaches none of that group's {len(self._groups[name].params)} "
-            "parameters (a stray .detach() or torch.no_grad()?); pass "
-            f"Router(..., allow_unreached=[{name!r}]) if that is intended"
-        )
 
-    @staticmethod
-    def _refuse_reentrant(routes: list[Route], error: Exception) -> None:
-        """After ``error`` in a backward that followed paths: the walk's error for a reentrant checkpoint segment
-        there, raised from ``error`` (the engine's own names ``.grad()``, which the user never called)."""
-        try:
-            refuse_reentrant(routes)
-        except ValueError as reentrant:
-            raise reentrant from error
-
-    def _notes(self, program: Program) -> list[str]:
-        """The plan printout's notes on what this router measured and on the graph's checkpointed and compiled
-        parts (the measured choice's note last but for those two)."""
-        nodes = program.graph.nodes
-        notes = [
-            f"{', '.join(f'`{n}`' for n, _ in r.parts)} are routed the same loss: one plain backward into all of "
-            f"their parameters gives each its exact gradient (routed as one group, `{r.name}`)"
-            for r in program.routes
-            if r.parts
-        ]
-        walked = self._cache.walk_note(program.planned, len(nodes)) if self._static is None else None
-        if walked:
-            notes.append(walked)
-        tuned = self._tuner.describe() if self._tuner is not None else None
-        if tuned:
-            notes.append(tuned)
-        torch_ckpt = sum(1 for i in program.planned.shared if _checkpoint.checkpoint_kind(nodes[i]) == "torch")
-        if torch_ckpt:
-            notes.append(
-                f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call: torch "
-                "recomputes their segments once per call; gradroute.checkpoint recomputes each once per backward."
-            )
-        compiled = plan_note(nodes)
-        if compiled:
-            notes.append(compiled)
-        return notes
+def _own_group(name: Any, spec: GroupLike) -> Group:
+    """Group ``name`` of the router: its own copy of a caller's Group (which is never changed: a Group may be in
+    several routers), or a new Group of a module or of parameters."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"group names must be non-empty strings, got {name!r}")
+    group = copy.copy(spec) if isinstance(spec, Group) else Group(spec, name=name)
+    group.name = name
+    return group
 
 
 _NOTHING = contextlib.nullcontext()
-
-
-def _check_static_graph(value: Any) -> int:
-    """``static_graph`` as every how many backwards the whole graph is checked (0: no promise)."""
-    if isinstance(value, bool):
-        return 100 if value else 0
-    if not isinstance(value, int):
-        raise TypeError(f"`static_graph` must be a bool or an int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"`static_graph` must be True, False or an int >= 1 (check every n-th backward), got {value}")
-    return value
-
-
-def _check_allow_unreached(value: Any, groups: Mapping[str, Group]) -> set[str]:
-    """``allow_unreached`` as a set of group names; TypeError/ValueError naming what was received."""
-    if isinstance(value, bool):
-        return set(groups) if value else set()
-    if isinstance(value, str):
-        names = [value]
-    elif isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
-        names = list(value)
-    else:
-        raise TypeError(
-            f"`allow_unreached` must be True, False or an iterable of group names, got {type(value).__name__} "
-            f"({value!r})"
-        )
-    for n in names:
-        if not isinstance(n, str):
-            raise TypeError(f"`allow_unreached` must hold group names (str), got {type(n).__name__} ({n!r})")
-        if n not in groups:
-            raise ValueError(f"`allow_unreached` names unknown group `{n}`; groups are: {', '.join(groups)}")
-    return set(names)
-
-
-def _merge_named(mapping: Any, named: Mapping[str, Any], arg: str, item: str, shape: str, call: str) -> dict[str, Any]:
-    """``mapping`` (positional) and ``named`` (keywords) as one dict; a name given in both is an error."""
-    out: dict[str, Any] = {}
-    if mapping is not None:
-        if not isinstance(mapping, Mapping):
-            raise TypeError(
-                f"`{arg}` must be a mapping of {shape}, got {type(mapping).__name__} "
-                f"(call {call}(name=..., ...) or {call}({{'name': ...}}))"
-            )
-        out.update(mapping)
-    for name, value in named.items():
-        if name in out:
-            raise ValueError(f"{item} `{name}` is given twice (in `{arg}` and as a keyword)")
-        out[name] = value
-    return out
-
-
-def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Tensor]]) -> Plan:
-    """The plan with reach and leak columns for the router's groups that the call does not name."""
-    plan = program.plan
-    if not others:
-        return plan
-    leaf = program.graph.leaf
-    reach = {loss: dict(row) for loss, row in plan.reach.items()}
-    leaks = {loss: list(gs) for loss, gs in plan.leaks.items()}
-    for r, route in enumerate(program.routes):
-        reached = {id(leaf[i]) for i, m in program.planned.leaf_routes.items() if m >> r & 1}
-        own = {id(p) for p in route.params}
-        for name, params in others.items():
-            n = sum(1 for p in params if id(p) in reached)
-            reach[route.name][name] = n
-            if any(id(p) in reached and id(p) not in own for p in params):
-                leaks[route.name].append(name)
-    return dataclasses.replace(plan, reach=reach, leaks={k: tuple(v) for k, v in leaks.items()}, others=tuple(others))
-
-
-def _unreached(program: Program) -> list[str]:
-    """The names of the groups whose losses reach none of their parameters (per group for a route that stands for
-    several groups routed the same loss)."""
-    out: list[str] = []
-    for r, route in enumerate(program.routes):
-        if route.parts:
-            leaf = program.graph.leaf
-            reached = {id(leaf[i]) for i, m in program.planned.leaf_routes.items() if m >> r & 1 and i in leaf}
-            out += unreached(route, reached)
-        elif r in program.planned.unreached:
-            out.append(route.name)
-    return out
-
-
-def _check_not_freed(program: Program) -> None:
-    """Raise :class:`GraphFreedError` naming the losses whose graphs reach the node the walk found freed.
-
-    The walk checks the whole graph once (NOTE [One walk: structure, signature and the freed check]); only
-    when it found a freed node are the losses' graphs searched, for the message.
-    """
-    g = program.graph
-    if g.freed is None:
-        return
-    routes = program.routes
-    if not g.followed:  # a followed graph has no edges to search
-        routes = [r for r in routes if reaches(g, [g.index[root_node(t)] for t in r.losses], g.freed)]
-    raise GraphFreedError(freed_message(group_names(routes)))

@@ -69,35 +69,21 @@ class Router:
         allow_unreached: by default a loss that reaches none of its group's parameters is an error (almost
             always a stray ``.detach()``). ``True`` allows it for every group, or give the group names.
         plan_options: the planner's settings (:class:`gradroute.PlanOptions`); the defaults suit most graphs.
-        accelerator: an ``accelerate.Accelerator``: :meth:`backward` then does for each loss what
-            ``accelerator.backward(loss)`` does (divides by its ``gradient_accumulation_steps``, scales with
-            its ``scaler``), groups may hold its prepared optimizers and schedulers, and :meth:`step` steps
-            when ``accelerator.sync_gradients`` is True. ``scaler`` and ``accumulate`` then come from it.
-            See docs/integrations.md.
-        skip_nonfinite: without an enabled scaler, a group whose gradient norm is inf/NaN is not stepped (its
-            ``GroupStats.skip_reason`` is ``"nonfinite"``), as GradScaler does with one. ``False`` keeps
-            torch's behaviour: the optimizer steps and writes the inf/NaN into the parameters.
-        atomic_step: ``True`` (the default): a :meth:`step` that raises before any group changes irreversibly
-            (a ``grad_hook``, a bad value, Ctrl-C, which is held until the irreversible part ends) puts
-            everything back, without copying parameters, gradients or optimizer state; an exception inside an
-            optimizer's or scheduler's own ``step()`` is not undone (groups stepped before it keep their
-            update; the scaler and counters are put back). ``"copy"``: undoes that too, by copying the stepped
-            groups' gradients, parameters and optimizer state first (about 4x the parameters' bytes more at the
-            step's peak with AdamW). ``False``: no undo of gradients or parameters.
-        autotune: measure the candidate plans of each new graph on its first routed backwards and keep the
-            fastest within a memory tolerance (:class:`gradroute.Autotune`; ``True``: its defaults). Only graphs
-            with ``gradroute.checkpoint`` segments that several engine calls enter have more than one default
-            candidate, and every default candidate keeps nothing alive after ``backward``; :meth:`plan` says
-            what was chosen. ``False``: always ``plan_options``.
-        static_graph: promise that the losses' autograd graph has the same structure on every backward with
-            the same group names (as DDP's ``static_graph``). ``False`` (the default) walks the whole graph on
-            every backward (about a microsecond per node), so every backward is exact whatever changed.
-            ``True``: from the third such backward after the measured choice is done with the graph, backwards
-            follow the paths to the few nodes the plan starts from instead, checking each node's class on the
-            way, and walk and check the whole graph on every 100th backward (an int ``n``: every ``n``-th); a
-            graph found changed raises RuntimeError before any ``.grad`` is touched. A change off those paths
-            between two checks goes unseen and can route wrong gradients. Not under DDP or FSDP2. See the
-            README's "Static graphs" and :attr:`graph_counts`.
+        accelerator: an ``accelerate.Accelerator``: each loss is then divided and scaled as
+            ``accelerator.backward`` does, groups may hold its prepared objects, and :meth:`step` steps when
+            ``accelerator.sync_gradients`` is True; ``scaler`` and ``accumulate`` come from it
+            (docs/integrations.md).
+        skip_nonfinite: without an enabled scaler, a group whose gradient norm is inf/NaN is not stepped
+            (``skip_reason="nonfinite"``). ``False``: torch's behaviour.
+        atomic_step: ``True``: a failed :meth:`step` is undone without copies, except an exception inside an
+            optimizer's or scheduler's own ``step()``; ``"copy"`` undoes that too, at about 4x the parameters'
+            bytes more memory during the step; ``False``: no undo (docs/training_step.md).
+        autotune: time the candidate plans of each new graph with shared ``gradroute.checkpoint`` segments on
+            its first backwards and keep the fastest (:class:`gradroute.Autotune`); ``False``: ``plan_options``.
+        static_graph: promise that the graph has the same structure on every backward, as DDP's
+            ``static_graph``: backwards then follow recorded paths instead of walking the graph, which is
+            checked whole every 100th backward (an int ``n``: every ``n``-th). Not under DDP or FSDP2
+            (docs/static_graphs.md, :attr:`graph_counts`).
         **named_groups: groups by keyword.
 
     Examples:
@@ -193,18 +179,15 @@ class Router:
         :meth:`step` closes a micro-batch: call it once per micro-batch, after that micro-batch's
         ``backward`` call(s); it steps the optimizers on every ``accumulate``-th call.
 
-        Hooks fire as in a plain backward of each loss on its own: a parameter's ``register_hook`` and
-        ``register_post_accumulate_grad_hook`` hooks once per backward, DDP's and FSDP's too. A
-        ``register_hook`` hook on an intermediate tensor runs once for each routed pass that reaches the
-        tensor (:meth:`plan` lists the passes), on that pass's gradient; where the plan cuts a pass at that
-        tensor, it is called once more with a zero gradient (what it returns for it is added), so hooks that
-        scale, negate or clip stay exact.
+        A parameter's hooks (DDP's and FSDP's included) fire once per backward; a hook on an intermediate
+        tensor runs once per routed pass that reaches it, and once more with a zero gradient where a pass is cut
+        there, so hooks that scale, negate or clip stay exact.
 
         Raises:
             ValueError, TypeError: a bad loss or group name, a loss that is not a real floating-point scalar;
                 raised before any ``.grad`` is touched.
             gradroute.GraphFreedError: the graph of a loss (or a part it shares with the others) was freed
-                by an earlier backward; every ``.grad`` is then as it was (the README's "Guarantees").
+                by an earlier backward; every ``.grad`` is then as it was.
         """
         check_backward(self._accelerator, self._stepper.accumulate)
         original = self._routes(losses, named_losses, "backward")
@@ -245,15 +228,10 @@ class Router:
     def step(self) -> StepStats:
         """Close a micro-batch; on every ``accumulate``-th call, step every group's optimizer and scheduler.
 
-        Follows PyTorch's AMP notes for several models, losses and optimizers. On a real step, in order:
-        ``scaler.unscale_`` once per group's optimizer; every group's ``grad_hook`` (all groups unscaled,
-        none stepped); the total norm of each group's unscaled gradients, clipped to ``max_grad_norm``;
-        ``scaler.step`` per optimizer (inf/NaN in one group's gradients skips only that optimizer); ONE
-        ``scaler.update()``; the scheduler of each group whose optimizer updated (an AMP-skipped or
-        gradient-less group's schedule does not advance, except under a fused optimizer, which skips on the
-        device, unseen by the host: its schedule advances, as in torch's AMP recipe); ``.grad = None`` for
-        every group. Without an
-        enabled scaler the same happens minus the scaling. The other calls only count the micro-batch.
+        A real step follows PyTorch's AMP notes for several optimizers: ``unscale_`` per optimizer, every
+        ``grad_hook``, clipping per group, ``scaler.step`` per optimizer (inf/NaN skips only that group), ONE
+        ``scaler.update()``, the schedulers, ``.grad = None`` (the order and the skipped schedules:
+        docs/training_step.md). The other calls only count the micro-batch.
 
         Returns:
             :class:`gradroute.StepStats`: ``group name -> GroupStats`` (``loss``, unscaled and averaged over
@@ -261,14 +239,9 @@ class Router:
             used, read before the scheduler steps; ``skipped``), and ``accumulating`` (``True`` on a
             micro-step), ``micro_step``, ``step`` and ``scale``.
 
-        A real step that raises before any group changes irreversibly (a ``grad_hook``, a bad value,
-        ``KeyboardInterrupt``, which is held until the irreversible part ends) puts every group's parameters,
-        gradients, optimizer state, the schedulers, the scaler and the accumulation counters back exactly as
-        before the call, and the exception propagates unchanged; calling ``step()`` again retries the step,
-        ``zero_grad()`` drops it. An exception inside an optimizer's or scheduler's own ``step()`` is undone
-        only with ``atomic_step="copy"`` (see ``atomic_step``). No host sync where the optimizers are fused:
-        the statistics stay tensors until read. Without an enabled scaler, a group whose
-        gradient norm is inf/NaN is skipped (``skip_reason="nonfinite"``; see ``skip_nonfinite``).
+        A step that raises (a ``grad_hook``, a bad value, Ctrl-C) leaves everything as before the call, as
+        ``atomic_step`` says; ``step()`` again retries it, ``zero_grad()`` drops it. With fused optimizers it
+        makes no host sync: the statistics stay tensors until read.
 
         Raises:
             RuntimeError: no :meth:`backward` since the last ``step()``; a group without ``optimizer``; an
@@ -318,11 +291,9 @@ class Router:
         :meth:`step`): the resumed run continues bit-identically, reported losses included.
 
         Raises:
-            ValueError, TypeError: the state does not match this Router: a missing key, groups with optimizers
-                or schedulers, parameter-group sizes, a saved optimizer state whose tensors do not fit the
-                parameters (shape, real/complex), gradients of another shape or dtype, the scaler, the
-                accumulation window. Checked before anything is loaded; the error names the key and what it
-                found. If an optimizer or scheduler still refuses its state half-way, what was loaded is undone.
+            ValueError, TypeError: the state does not match this Router (keys, groups, sizes, optimizer states,
+                gradients, scaler, window), checked before anything is loaded; the error names the key. If an
+                optimizer or scheduler still refuses its state half-way, what was loaded is undone.
         """
         self._stepper.load_state_dict(state_dict)
 

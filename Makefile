@@ -9,7 +9,7 @@ STAMP := $(VENV)/.stamp
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-torch test-oldest test-matrix lint typecheck docs bench clean
+.PHONY: demo test test-torch test-oldest test-matrix lint typecheck docs bench benchmarks-md clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,10 @@ docs: $(STAMP)-docs
 
 bench: $(STAMP)-core
 	PY=$(PY) bash benchmarks/run.sh
+
+# BENCHMARKS.md from the measurement records in benchmarks/results/*.json (tests/test_benchmarks_md.py checks it)
+benchmarks-md:
+	$(PYTHON) benchmarks/render.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

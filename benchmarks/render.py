@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -50,16 +51,17 @@ def _commands(command: str) -> str:
 
 
 def measured(record: dict) -> list[str]:
-    """One measurement: heading, where and how, the table, then target and notes in one paragraph."""
-    where = [f"`{record['commit']}`", record["date"], f"torch {record['torch']}", record["hardware"]]
+    """One measurement: title, where and how, the table, then target and notes in one paragraph."""
+    commit = re.sub(r"\b[0-9a-f]{7,40}\b", r"`\g<0>`", record["commit"])
+    where = [commit, record["date"], f"torch {record['torch']}", record["hardware"]]
     if record.get("conditions"):
         where.append(record["conditions"])
     about = (
-        f"{record['workload']}, {record['regime']}: {record['metric']}. Measured at {', '.join(where)}. "
-        f"Command: {_commands(record['command'])}"
+        f"**{record['title']}.** {record['workload']}, {record['regime']}: {record['metric']}. "
+        f"Measured at {', '.join(where)}. Command: {_commands(record['command'])}"
     )
     after = ([f"Target: {record['target']}."] if record.get("target") else []) + record.get("notes", [])
-    lines = [f"### {record['title']}", about, "", *_table(record["columns"], record["rows"]), ""]
+    lines = [about, "", *_table(record["columns"], record["rows"]), ""]
     return lines + ([" ".join(after), ""] if after else [])
 
 

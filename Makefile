@@ -9,7 +9,7 @@ STAMP := $(VENV)/.stamp
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-torch test-oldest test-matrix lint typecheck docs bench clean
+.PHONY: demo test test-torch test-oldest test-matrix lint typecheck docs bench benchmarks-md clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,26 +31,35 @@ demo: $(STAMP)-core
 test: $(STAMP)-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# the suite against another torch, in a venv of its own under MATRIX_CACHE (the pinned .venv stays as it is);
-# e.g. make test-torch TORCH_SPEC="torch==2.6.0". Results and logs: build/torch-matrix/
+# the suite against other torch releases: noxfile.py's sessions, one venv per release under MATRIX_CACHE (the
+# pinned .venv stays as it is); nox itself goes into .venv. Records and JUnit reports: build/torch-matrix/
 MATRIX_CACHE ?= $(HOME)/.cache/gradroute-matrix
 MATRIX_ARGS ?=
-test-torch:
-	$(PYTHON) tools/torch_matrix.py --versions "$(TORCH_SPEC)" --examples all --keep --cache "$(MATRIX_CACHE)" $(MATRIX_ARGS)
+NOX = PIP_CACHE_DIR="$(MATRIX_CACHE)/pip" $(PY) -m nox --envdir "$(MATRIX_CACHE)"
+
+$(STAMP)-nox: $(PY)
+	$(PIP) install -q "nox>=2024.3"
+	touch $@
+
+# every column against one supported release, its venv kept: e.g. make test-torch TORCH_SPEC="torch==2.6.0"
+test-torch: $(STAMP)-nox
+	$(NOX) --reuse-existing-virtualenvs -s "tests(torch='$(subst torch==,,$(TORCH_SPEC))')" -- --examples all \
+		$(MATRIX_ARGS)
 
 # CI's check of the oldest supported torch: the core test files (no examples), its venv kept between runs
-test-oldest:
-	$(PYTHON) tools/torch_matrix.py --versions 2.5.1 --columns core --examples none --keep --cache "$(MATRIX_CACHE)" \
+test-oldest: $(STAMP)-nox
+	$(NOX) --reuse-existing-virtualenvs -s "tests(torch='2.5.1')" -- --columns core --examples none \
 		--results build/torch-oldest $(MATRIX_ARGS)
 
-# every supported torch minor (and the refusal of the last older one), one at a time; the table goes to
-# build/torch-matrix/table.md and docs/versions.md
-test-matrix:
-	$(PYTHON) tools/torch_matrix.py --cache "$(MATRIX_CACHE)" --readme docs/versions.md $(MATRIX_ARGS)
+# every supported torch minor (and the refusal of the last older one), one at a time, each venv deleted after
+# its run (about 5 GB each); the table goes to build/torch-matrix/table.md and docs/versions.md
+test-matrix: $(STAMP)-nox
+	$(NOX) -s tests refused -- --drop $(MATRIX_ARGS); status=$$?; \
+		$(PYTHON) tools/versions_table.py --docs docs/versions.md && exit $$status
 
 lint: $(STAMP)-test
-	$(PY) -m ruff check src tests examples benchmarks tools
-	$(PY) -m ruff format --check src tests examples benchmarks tools
+	$(PY) -m ruff check src tests examples benchmarks tools noxfile.py
+	$(PY) -m ruff format --check src tests examples benchmarks tools noxfile.py
 
 typecheck: $(STAMP)-test
 	$(PY) -m mypy
@@ -66,6 +75,10 @@ docs: $(STAMP)-docs
 
 bench: $(STAMP)-core
 	PY=$(PY) bash benchmarks/run.sh
+
+# BENCHMARKS.md from the measurement records in benchmarks/results/*.json (tests/test_benchmarks_md.py checks it)
+benchmarks-md:
+	$(PYTHON) benchmarks/render.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

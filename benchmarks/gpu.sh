@@ -13,7 +13,7 @@
 # importance: a run cut short by the timeout keeps the first ones).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results}
+OUT=${OUT:-build/benchmarks}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -43,7 +43,10 @@ PARTS: list[tuple[str, Callable[[str, str], bool]]] = [
     ("plan cache lookup / planning", lambda f, n: "_plan" in f or "_planner" in f),
     ("autotune bookkeeping", lambda f, n: "_autotune" in f),
     ("Router._program own time (the cycle collector runs here)", lambda f, n: n == "_program"),
-    ("router: loss checks, step bookkeeping", lambda f, n: f.endswith(("_router.py", "_step.py"))),
+    (
+        "router: loss checks, step bookkeeping",
+        lambda f, n: f.endswith(("_router.py", "_loss_checks.py", "_refusals.py", "_step.py")),
+    ),
     ("handoff hooks (cut gradients, .grad steal)", lambda f, n: "_execute" in f and n in ("give", "close", "hook")),
     ("executor: Python around each engine call", lambda f, n: "_execute" in f or "_session" in f),
     ("torch.autograd Python wrappers", lambda f, n: "torch/autograd" in f or "run_backward" in n),

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Re-runs every table of BENCHMARKS.md; raw results go to benchmarks/results/*.json and *.png.
+# Re-runs the CPU measurements behind BENCHMARKS.md; raw results go to build/benchmarks/ (*.json, *.png, *.txt).
+# A figure that goes into BENCHMARKS.md becomes a record in benchmarks/results/ (see benchmarks/render.py).
 # CPU tables: run on a quiet machine (the strategies are interleaved step by step, but two OpenMP threads
 # fighting other jobs make medians unusable). GPU tables (sd15): a CUDA machine with diffusers+transformers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-out=benchmarks/results
+out=build/benchmarks
 mkdir -p "$out"
 # the bounds on the printed ratios: benchmarks/targets
 target() { awk -v n="$1" '$1 == n { print $2 }' benchmarks/targets; }

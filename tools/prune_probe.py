@@ -1,6 +1,6 @@
 """Whether this torch prunes compiled regions: routed passes through ``gradroute.compile`` skip weight gradients.
 
-Run by ``tools/torch_matrix.py`` with each release's venv (``python tools/prune_probe.py``); prints one JSON
+Run by the ``noxfile.py`` sessions with each release's venv (``python tools/prune_probe.py``); prints one JSON
 object: ``prunes`` (bool) and ``why`` (the measured FLOPs, or the reason ``gradroute.compile`` gives).
 
 What it measures: the routed backward of two small MLPs (a text encoder and a UNet stand-in, float64) counted by

@@ -12,18 +12,20 @@ from typing import Any
 import torch
 
 from . import _checkpoint
-from ._accelerate import adopt_prepared, check_backward, link_accelerator
+from ._accelerate import check_backward
 from ._autotune import Autotune, Tuner
-from ._compile import plan_note
 from ._distributed import fsdp2_unsharded, has_dtensor, live_params
-from ._execute import GraphFreedError, execute, freed_message, undoable
-from ._graph import reaches, root_node
+from ._execute import execute, undoable
 from ._group import Group, GroupLike
-from ._losses import group_names, merge_same_losses, unreached
+from ._loss_checks import checked_losses, merge_named
+from ._losses import merge_same_losses
 from ._options import PlanOptions
 from ._plain import run_plain, runs_plain
-from ._planner import Checkpoints, Plan, PlanCache, Program, StaticGraph, build, refuse_reentrant
-from ._step import Stepper, StepStats
+from ._plan_notes import router_plan
+from ._planner import Checkpoints, Plan, PlanCache, Program, StaticGraph, build, call_shape
+from ._refusals import check_walked, refuse_reentrant_after, unreached_message
+from ._router_options import RoutingOptions, make_stepper
+from ._step import StepStats
 from ._types import GraphCounts, Route
 
 LossLike = torch.Tensor | Sequence[torch.Tensor]
@@ -67,35 +69,21 @@ class Router:
         allow_unreached: by default a loss that reaches none of its group's parameters is an error (almost
             always a stray ``.detach()``). ``True`` allows it for every group, or give the group names.
         plan_options: the planner's settings (:class:`gradroute.PlanOptions`); the defaults suit most graphs.
-        accelerator: an ``accelerate.Accelerator``: :meth:`backward` then does for each loss what
-            ``accelerator.backward(loss)`` does (divides by its ``gradient_accumulation_steps``, scales with
-            its ``scaler``), groups may hold its prepared optimizers and schedulers, and :meth:`step` steps
-            when ``accelerator.sync_gradients`` is True. ``scaler`` and ``accumulate`` then come from it.
-            See docs/integrations.md.
-        skip_nonfinite: without an enabled scaler, a group whose gradient norm is inf/NaN is not stepped (its
-            ``GroupStats.skip_reason`` is ``"nonfinite"``), as GradScaler does with one. ``False`` keeps
-            torch's behaviour: the optimizer steps and writes the inf/NaN into the parameters.
-        atomic_step: ``True`` (the default): a :meth:`step` that raises before any group changes irreversibly
-            (a ``grad_hook``, a bad value, Ctrl-C, which is held until the irreversible part ends) puts
-            everything back, without copying parameters, gradients or optimizer state; an exception inside an
-            optimizer's or scheduler's own ``step()`` is not undone (groups stepped before it keep their
-            update; the scaler and counters are put back). ``"copy"``: undoes that too, by copying the stepped
-            groups' gradients, parameters and optimizer state first (about 4x the parameters' bytes more at the
-            step's peak with AdamW). ``False``: no undo of gradients or parameters.
-        autotune: measure the candidate plans of each new graph on its first routed backwards and keep the
-            fastest within a memory tolerance (:class:`gradroute.Autotune`; ``True``: its defaults). Only graphs
-            with ``gradroute.checkpoint`` segments that several engine calls enter have more than one default
-            candidate, and every default candidate keeps nothing alive after ``backward``; :meth:`plan` says
-            what was chosen. ``False``: always ``plan_options``.
-        static_graph: promise that the losses' autograd graph has the same structure on every backward with
-            the same group names (as DDP's ``static_graph``). ``False`` (the default) walks the whole graph on
-            every backward (about a microsecond per node), so every backward is exact whatever changed.
-            ``True``: from the third such backward after the measured choice is done with the graph, backwards
-            follow the paths to the few nodes the plan starts from instead, checking each node's class on the
-            way, and walk and check the whole graph on every 100th backward (an int ``n``: every ``n``-th); a
-            graph found changed raises RuntimeError before any ``.grad`` is touched. A change off those paths
-            between two checks goes unseen and can route wrong gradients. Not under DDP or FSDP2. See the
-            README's "Static graphs" and :attr:`graph_counts`.
+        accelerator: an ``accelerate.Accelerator``: each loss is then divided and scaled as
+            ``accelerator.backward`` does, groups may hold its prepared objects, and :meth:`step` steps when
+            ``accelerator.sync_gradients`` is True; ``scaler`` and ``accumulate`` come from it
+            (docs/integrations.md).
+        skip_nonfinite: without an enabled scaler, a group whose gradient norm is inf/NaN is not stepped
+            (``skip_reason="nonfinite"``). ``False``: torch's behaviour.
+        atomic_step: ``True``: a failed :meth:`step` is undone without copies, except an exception inside an
+            optimizer's or scheduler's own ``step()``; ``"copy"`` undoes that too, at about 4x the parameters'
+            bytes more memory during the step; ``False``: no undo (docs/training_step.md).
+        autotune: time the candidate plans of each new graph with shared ``gradroute.checkpoint`` segments on
+            its first backwards and keep the fastest (:class:`gradroute.Autotune`); ``False``: ``plan_options``.
+        static_graph: promise that the graph has the same structure on every backward, as DDP's
+            ``static_graph``: backwards then follow recorded paths instead of walking the graph, which is
+            checked whole every 100th backward (an int ``n``: every ``n``-th). Not under DDP or FSDP2
+            (docs/static_graphs.md, :attr:`graph_counts`).
         **named_groups: groups by keyword.
 
     Examples:
@@ -125,48 +113,31 @@ class Router:
         static_graph: bool | int = False,
         **named_groups: GroupLike,
     ) -> None:
-        specs = _merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
+        specs = merge_named(groups, named_groups, "groups", "group", "name -> group", "Router")
         if not specs:
             raise ValueError("`Router` needs at least one group, e.g. Router(tenc=text_encoder, unet=unet)")
-        self._groups: dict[str, Group] = {}
-        for name, spec in specs.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"group names must be non-empty strings, got {name!r}")
-            # the router's own copy of a caller's Group: named (and given Accelerate's prepared objects) here only
-            self._groups[name] = copy.copy(spec) if isinstance(spec, Group) else Group(spec, name=name)
-        self._allow_unreached = _check_allow_unreached(allow_unreached, self._groups)
-        if plan_options is None:
-            plan_options = PlanOptions()
-        elif not isinstance(plan_options, PlanOptions):
-            raise TypeError(f"`plan_options` must be a gradroute.PlanOptions, got {type(plan_options).__name__}")
-        self._options = plan_options
-        if isinstance(autotune, bool):
-            settings = Autotune() if autotune else None
-        elif isinstance(autotune, Autotune):
-            settings = autotune
-        else:
-            raise TypeError(f"`autotune` must be a bool or a gradroute.Autotune, got {type(autotune).__name__}")
-        self._tuner = None if settings is None else Tuner(settings, _CHECKPOINTS)
-        every = _check_static_graph(static_graph)
-        self._static = StaticGraph(every) if every else None
-        self._cache = PlanCache(size=8 if settings is None else 16)  # every candidate's program of two call shapes
+        self._groups = {name: _own_group(name, spec) for name, spec in specs.items()}
+        self._routing = routing = RoutingOptions.check(
+            self._groups,
+            allow_unreached=allow_unreached,
+            plan_options=plan_options,
+            autotune=autotune,
+            static_graph=static_graph,
+        )
+        self._tuner = None if routing.autotune is None else Tuner(routing.autotune, _CHECKPOINTS)
+        self._static = StaticGraph(routing.static_every) if routing.static_every else None
+        self._cache = PlanCache(size=8 if self._tuner is None else 16)  # every candidate's program of two call shapes
         self._lock = threading.Lock()  # one thread plans at a time (the cache and the tuner's state)
         self._walked = self._followed = self._plain = 0
         self._merged: dict[tuple[str, ...], tuple] = {}  # the parameters of groups routed one loss (``_losses``)
-        self._accelerator = link_accelerator(accelerator, scaler=scaler, accumulate=accumulate)
-        if self._accelerator is not None:
-            scaler = self._accelerator.scaler
-        adopt_prepared(self._groups, self._accelerator)
-        self._stepper = Stepper(
+        self._accelerator, self._stepper = make_stepper(
             self._groups,
             scaler=scaler,
             accumulate=accumulate,
             skip_nonfinite=skip_nonfinite,
             atomic_step=atomic_step,
-            window=self._accelerator,
+            accelerator=accelerator,
         )
-        for name, group in self._groups.items():
-            group.name = name
         # the groups whose parameters FSDP2 may have sharded: only theirs are looked up on every backward
         self._sharded = {name for name, group in self._groups.items() if has_dtensor(group.params)}
 
@@ -175,12 +146,12 @@ class Router:
     @property
     def plan_options(self) -> PlanOptions:
         """The planner's settings this router was built with."""
-        return self._options
+        return self._routing.plan
 
     @property
     def autotune(self) -> Autotune | None:
         """The measured choice's settings, or None when it is off."""
-        return None if self._tuner is None else self._tuner.settings
+        return self._routing.autotune
 
     @property
     def autotuning(self) -> bool:
@@ -208,27 +179,24 @@ class Router:
         :meth:`step` closes a micro-batch: call it once per micro-batch, after that micro-batch's
         ``backward`` call(s); it steps the optimizers on every ``accumulate``-th call.
 
-        Hooks fire as in a plain backward of each loss on its own: a parameter's ``register_hook`` and
-        ``register_post_accumulate_grad_hook`` hooks once per backward, DDP's and FSDP's too. A
-        ``register_hook`` hook on an intermediate tensor runs once for each routed pass that reaches the
-        tensor (:meth:`plan` lists the passes), on that pass's gradient; where the plan cuts a pass at that
-        tensor, it is called once more with a zero gradient (what it returns for it is added), so hooks that
-        scale, negate or clip stay exact.
+        A parameter's hooks (DDP's and FSDP's included) fire once per backward; a hook on an intermediate
+        tensor runs once per routed pass that reaches it, and once more with a zero gradient where a pass is cut
+        there, so hooks that scale, negate or clip stay exact.
 
         Raises:
             ValueError, TypeError: a bad loss or group name, a loss that is not a real floating-point scalar;
                 raised before any ``.grad`` is touched.
             gradroute.GraphFreedError: the graph of a loss (or a part it shares with the others) was freed
-                by an earlier backward; every ``.grad`` is then as it was (the README's "Guarantees").
+                by an earlier backward; every ``.grad`` is then as it was.
         """
         check_backward(self._accelerator, self._stepper.accumulate)
         original = self._routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(original)
         merged = routes if self._sharded else merge_same_losses(original, routes, self._merged)
         if runs_plain(merged, distributed=self._stepper.distributed()):  # NOTE [One plain call without a walk]
-            unreached_group = run_plain(merged[0], self._allow_unreached)
+            unreached_group = run_plain(merged[0], self._routing.allow_unreached)
             if unreached_group is not None:
-                raise ValueError(self._unreached_message(unreached_group))
+                raise ValueError(unreached_message(unreached_group, self._groups))
             self._plain += 1
         else:
             self._route(merged, accumulate=True)
@@ -254,22 +222,16 @@ class Router:
         with self._lock:
             program, _ = self._program(routes, merge_shared=True)
         named = {name for r in routes for name, _ in r.parts} | {r.name for r in routes}
-        plan = _with_other_groups(program, {n: g.params for n, g in self._groups.items() if n not in named})
-        extra = self._notes(program)
-        return dataclasses.replace(plan, notes=(*plan.notes, *extra)) if extra else plan
+        others = {n: g.params for n, g in self._groups.items() if n not in named}
+        return router_plan(program, others, cache=self._cache if self._static is None else None, tuner=self._tuner)
 
     def step(self) -> StepStats:
         """Close a micro-batch; on every ``accumulate``-th call, step every group's optimizer and scheduler.
 
-        Follows PyTorch's AMP notes for several models, losses and optimizers. On a real step, in order:
-        ``scaler.unscale_`` once per group's optimizer; every group's ``grad_hook`` (all groups unscaled,
-        none stepped); the total norm of each group's unscaled gradients, clipped to ``max_grad_norm``;
-        ``scaler.step`` per optimizer (inf/NaN in one group's gradients skips only that optimizer); ONE
-        ``scaler.update()``; the scheduler of each group whose optimizer updated (an AMP-skipped or
-        gradient-less group's schedule does not advance, except under a fused optimizer, which skips on the
-        device, unseen by the host: its schedule advances, as in torch's AMP recipe); ``.grad = None`` for
-        every group. Without an
-        enabled scaler the same happens minus the scaling. The other calls only count the micro-batch.
+        A real step follows PyTorch's AMP notes for several optimizers: ``unscale_`` per optimizer, every
+        ``grad_hook``, clipping per group, ``scaler.step`` per optimizer (inf/NaN skips only that group), ONE
+        ``scaler.update()``, the schedulers, ``.grad = None`` (the order and the skipped schedules:
+        docs/training_step.md). The other calls only count the micro-batch.
 
         Returns:
             :class:`gradroute.StepStats`: ``group name -> GroupStats`` (``loss``, unscaled and averaged over
@@ -277,14 +239,9 @@ class Router:
             used, read before the scheduler steps; ``skipped``), and ``accumulating`` (``True`` on a
             micro-step), ``micro_step``, ``step`` and ``scale``.
 
-        A real step that raises before any group changes irreversibly (a ``grad_hook``, a bad value,
-        ``KeyboardInterrupt``, which is held until the irreversible part ends) puts every group's parameters,
-        gradients, optimizer state, the schedulers, the scaler and the accumulation counters back exactly as
-        before the call, and the exception propagates unchanged; calling ``step()`` again retries the step,
-        ``zero_grad()`` drops it. An exception inside an optimizer's or scheduler's own ``step()`` is undone
-        only with ``atomic_step="copy"`` (see ``atomic_step``). No host sync where the optimizers are fused:
-        the statistics stay tensors until read. Without an enabled scaler, a group whose
-        gradient norm is inf/NaN is skipped (``skip_reason="nonfinite"``; see ``skip_nonfinite``).
+        A step that raises (a ``grad_hook``, a bad value, Ctrl-C) leaves everything as before the call, as
+        ``atomic_step`` says; ``step()`` again retries it, ``zero_grad()`` drops it. With fused optimizers it
+        makes no host sync: the statistics stay tensors until read.
 
         Raises:
             RuntimeError: no :meth:`backward` since the last ``step()``; a group without ``optimizer``; an
@@ -334,11 +291,9 @@ class Router:
         :meth:`step`): the resumed run continues bit-identically, reported losses included.
 
         Raises:
-            ValueError, TypeError: the state does not match this Router: a missing key, groups with optimizers
-                or schedulers, parameter-group sizes, a saved optimizer state whose tensors do not fit the
-                parameters (shape, real/complex), gradients of another shape or dtype, the scaler, the
-                accumulation window. Checked before anything is loaded; the error names the key and what it
-                found. If an optimizer or scheduler still refuses its state half-way, what was loaded is undone.
+            ValueError, TypeError: the state does not match this Router (keys, groups, sizes, optimizer states,
+                gradients, scaler, window), checked before anything is loaded; the error names the key. If an
+                optimizer or scheduler still refuses its state half-way, what was loaded is undone.
         """
         self._stepper.load_state_dict(state_dict)
 
@@ -347,6 +302,15 @@ class Router:
         return f"Router({', '.join(parts)})"
 
     # ------------------------------------------------------------------ internals
+
+    def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
+        """The checked losses of a call as routes into their groups' parameters (FSDP2's unsharded ones)."""
+        routes = []
+        for name, tensors in checked_losses(losses, named, what, self._groups).items():
+            params = self._groups[name].params
+            params = live_params(params) if name in self._sharded else params
+            routes.append(Route(name=name, losses=tensors, params=params))
+        return routes
 
     def _route(self, routes: list[Route], *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
         """Plan and run ``routes`` (:meth:`backward` accumulates and merges shared routes; :meth:`grads` collects
@@ -371,47 +335,8 @@ class Router:
             except Exception as e:
                 if followed and self._static is not None:  # the next backward walks; name the cause
                     self._static.recheck()
-                    self._refuse_reentrant(routes, e)
+                    refuse_reentrant_after(routes, e)
                 raise
-
-    def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
-        given = _merge_named(losses, named, "losses", "loss for group", "group name -> loss", what)
-        if not given:
-            raise ValueError(f"`{what}` needs at least one loss, e.g. {what}(tenc=loss_tenc)")
-        routes = []
-        for name, value in given.items():
-            group = self._groups.get(name)
-            if group is None:
-                raise ValueError(f"unknown group `{name}`; groups are: {', '.join(self._groups)}")
-            if isinstance(value, torch.Tensor):
-                tensors: tuple[torch.Tensor, ...] = (value,)
-            elif isinstance(value, (list, tuple)):
-                tensors = tuple(value)
-                if not tensors:
-                    raise ValueError(f"loss for group `{name}` is an empty {type(value).__name__}")
-            else:
-                raise TypeError(
-                    f"loss for group `{name}` must be a scalar Tensor or a list of them, got {type(value).__name__}"
-                )
-            for k, t in enumerate(tensors):
-                label = f"loss for group `{name}`" + (f" (item {k})" if len(tensors) > 1 else "")
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{label} must be a Tensor, got {type(t).__name__}")
-                if t.numel() != 1:
-                    raise ValueError(f"{label} must be a scalar, got shape {tuple(t.shape)} (reduce it, e.g. .mean())")
-                if not t.is_floating_point():
-                    raise TypeError(
-                        f"{label} must be a real floating-point scalar, got dtype {t.dtype} (a backward needs a "
-                        "real loss: take .abs() or .real of a complex one)"
-                    )
-                if not t.requires_grad:
-                    raise ValueError(
-                        f"{label} does not require grad: it was computed without autograd "
-                        "(under torch.no_grad(), from detached tensors, or from frozen parameters)"
-                    )
-            params = live_params(group.params) if name in self._sharded else group.params
-            routes.append(Route(name=name, losses=tensors, params=params))
-        return routes
 
     def _program(
         self, routes: list[Route], *, merge_shared: bool, backward: bool = False, probe: bool = True
@@ -422,12 +347,11 @@ class Router:
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
         # them: keep each pass through it in one call
         fsdp2 = bool(self._sharded) and fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
-        options = dataclasses.replace(self._options, interleave=False) if fsdp2 else self._options
+        options = dataclasses.replace(self._routing.plan, interleave=False) if fsdp2 else self._routing.plan
         # a static graph is followed once nothing is being measured, and never under DDP or FSDP2 (their hooks
         # expect the plan's parameters): NOTE [Static graphs] in _planner/follow.py
-        static = self._static
-        if not backward or self._sharded or self._stepper.distributed() or self.autotuning:
-            static = None
+        follow = backward and not (self._sharded or self._stepper.distributed() or self.autotuning)
+        static = self._static if follow else None
 
         def make(options: PlanOptions, graph: Any = None) -> Program:
             return build(
@@ -445,158 +369,25 @@ class Router:
         if self._tuner is None:
             program, trial = make(options), _NOTHING
         else:
-            shape = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
+            shape = call_shape(routes, merge_shared=merge_shared, options=options)
             program, trial = self._tuner.program(shape, options, routes, make, measure=backward)
         if backward:
             if program.graph.followed:
                 self._followed += 1
             else:
                 self._walked += 1
-        _check_not_freed(program)
-        bad = [n for n in _unreached(program) if n not in self._allow_unreached]
-        if bad:
-            raise ValueError(self._unreached_message(bad[0]))
+        check_walked(program, self._groups, self._routing.allow_unreached)
         return program, trial
 
-    def _unreached_message(self, name: str) -> str:
-        return (
-            f"loss for group `{name}` reaches none of that group's {len(self._groups[name].params)} "
-            "parameters (a stray .detach() or torch.no_grad()?); pass "
-            f"Router(..., allow_unreached=[{name!r}]) if that is intended"
-        )
 
-    @staticmethod
-    def _refuse_reentrant(routes: list[Route], error: Exception) -> None:
-        """After ``error`` in a backward that followed paths: the walk's error for a reentrant checkpoint segment
-        there, raised from ``error`` (the engine's own names ``.grad()``, which the user never called)."""
-        try:
-            refuse_reentrant(routes)
-        except ValueError as reentrant:
-            raise reentrant from error
-
-    def _notes(self, program: Program) -> list[str]:
-        """The plan printout's notes on what this router measured and on the graph's checkpointed and compiled
-        parts (the measured choice's note last but for those two)."""
-        nodes = program.graph.nodes
-        notes = [
-            f"{', '.join(f'`{n}`' for n, _ in r.parts)} are routed the same loss: one plain backward into all of "
-            f"their parameters gives each its exact gradient (routed as one group, `{r.name}`)"
-            for r in program.routes
-            if r.parts
-        ]
-        walked = self._cache.walk_note(program.planned, len(nodes)) if self._static is None else None
-        if walked:
-            notes.append(walked)
-        tuned = self._tuner.describe() if self._tuner is not None else None
-        if tuned:
-            notes.append(tuned)
-        torch_ckpt = sum(1 for i in program.planned.shared if _checkpoint.checkpoint_kind(nodes[i]) == "torch")
-        if torch_ckpt:
-            notes.append(
-                f"{torch_ckpt} nodes saved by torch.utils.checkpoint are executed by more than one call: torch "
-                "recomputes their segments once per call; gradroute.checkpoint recomputes each once per backward."
-            )
-        compiled = plan_note(nodes)
-        if compiled:
-            notes.append(compiled)
-        return notes
+def _own_group(name: Any, spec: GroupLike) -> Group:
+    """Group ``name`` of the router: its own copy of a caller's Group (which is never changed: a Group may be in
+    several routers), or a new Group of a module or of parameters."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"group names must be non-empty strings, got {name!r}")
+    group = copy.copy(spec) if isinstance(spec, Group) else Group(spec, name=name)
+    group.name = name
+    return group
 
 
 _NOTHING = contextlib.nullcontext()
-
-
-def _check_static_graph(value: Any) -> int:
-    """``static_graph`` as every how many backwards the whole graph is checked (0: no promise)."""
-    if isinstance(value, bool):
-        return 100 if value else 0
-    if not isinstance(value, int):
-        raise TypeError(f"`static_graph` must be a bool or an int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"`static_graph` must be True, False or an int >= 1 (check every n-th backward), got {value}")
-    return value
-
-
-def _check_allow_unreached(value: Any, groups: Mapping[str, Group]) -> set[str]:
-    """``allow_unreached`` as a set of group names; TypeError/ValueError naming what was received."""
-    if isinstance(value, bool):
-        return set(groups) if value else set()
-    if isinstance(value, str):
-        names = [value]
-    elif isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
-        names = list(value)
-    else:
-        raise TypeError(
-            f"`allow_unreached` must be True, False or an iterable of group names, got {type(value).__name__} "
-            f"({value!r})"
-        )
-    for n in names:
-        if not isinstance(n, str):
-            raise TypeError(f"`allow_unreached` must hold group names (str), got {type(n).__name__} ({n!r})")
-        if n not in groups:
-            raise ValueError(f"`allow_unreached` names unknown group `{n}`; groups are: {', '.join(groups)}")
-    return set(names)
-
-
-def _merge_named(mapping: Any, named: Mapping[str, Any], arg: str, item: str, shape: str, call: str) -> dict[str, Any]:
-    """``mapping`` (positional) and ``named`` (keywords) as one dict; a name given in both is an error."""
-    out: dict[str, Any] = {}
-    if mapping is not None:
-        if not isinstance(mapping, Mapping):
-            raise TypeError(
-                f"`{arg}` must be a mapping of {shape}, got {type(mapping).__name__} "
-                f"(call {call}(name=..., ...) or {call}({{'name': ...}}))"
-            )
-        out.update(mapping)
-    for name, value in named.items():
-        if name in out:
-            raise ValueError(f"{item} `{name}` is given twice (in `{arg}` and as a keyword)")
-        out[name] = value
-    return out
-
-
-def _with_other_groups(program: Program, others: Mapping[str, Sequence[torch.Tensor]]) -> Plan:
-    """The plan with reach and leak columns for the router's groups that the call does not name."""
-    plan = program.plan
-    if not others:
-        return plan
-    leaf = program.graph.leaf
-    reach = {loss: dict(row) for loss, row in plan.reach.items()}
-    leaks = {loss: list(gs) for loss, gs in plan.leaks.items()}
-    for r, route in enumerate(program.routes):
-        reached = {id(leaf[i]) for i, m in program.planned.leaf_routes.items() if m >> r & 1}
-        own = {id(p) for p in route.params}
-        for name, params in others.items():
-            n = sum(1 for p in params if id(p) in reached)
-            reach[route.name][name] = n
-            if any(id(p) in reached and id(p) not in own for p in params):
-                leaks[route.name].append(name)
-    return dataclasses.replace(plan, reach=reach, leaks={k: tuple(v) for k, v in leaks.items()}, others=tuple(others))
-
-
-def _unreached(program: Program) -> list[str]:
-    """The names of the groups whose losses reach none of their parameters (per group for a route that stands for
-    several groups routed the same loss)."""
-    out: list[str] = []
-    for r, route in enumerate(program.routes):
-        if route.parts:
-            leaf = program.graph.leaf
-            reached = {id(leaf[i]) for i, m in program.planned.leaf_routes.items() if m >> r & 1 and i in leaf}
-            out += unreached(route, reached)
-        elif r in program.planned.unreached:
-            out.append(route.name)
-    return out
-
-
-def _check_not_freed(program: Program) -> None:
-    """Raise :class:`GraphFreedError` naming the losses whose graphs reach the node the walk found freed.
-
-    The walk checks the whole graph once (NOTE [One walk: structure, signature and the freed check]); only
-    when it found a freed node are the losses' graphs searched, for the message.
-    """
-    g = program.graph
-    if g.freed is None:
-        return
-    routes = program.routes
-    if not g.followed:  # a followed graph has no edges to search
-        routes = [r for r in routes if reaches(g, [g.index[root_node(t)] for t in r.losses], g.freed)]
-    raise GraphFreedError(freed_message(group_names(routes)))

@@ -2,6 +2,13 @@
 
 A schedule here is a plain ``torch.optim.lr_scheduler.LambdaLR``: step it once per optimizer step (a
 :class:`gradroute.Group` with ``scheduler=`` does that for you), save and load it with its ``state_dict``.
+
+Without a floor or jitter it equals torch's ``SequentialLR([LinearLR(opt, 1 / warmup, 1, warmup - 1),
+PolynomialLR(opt, total - warmup, exponent)], [warmup])``, and after the warmup transformers'
+``get_polynomial_decay_schedule_with_warmup`` (whose warmup spends its first step at learning rate 0). What
+neither does: the seeded multiplicative jitter (``random=``, a pure function of the step, so a resumed run
+follows the same schedule), and, for torch, a floor above 0 (``min_lr_ratio``), in one scheduler without
+transformers.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Nothing here imports the checkpoint module: its segments come in through :class:
 """
 
 from .build import NO_CHECKPOINTS, Checkpoints, Planned, analyse
-from .cache import PlanCache
+from .cache import PlanCache, call_shape
 from .follow import StaticGraph
 from .plan import Call, Plan, Wiring
 from .program import Program, build, refuse_reentrant
@@ -36,5 +36,6 @@ __all__ = [
     "Wiring",
     "analyse",
     "build",
+    "call_shape",
     "refuse_reentrant",
 ]

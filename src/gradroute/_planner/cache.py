@@ -8,8 +8,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._options import PlanOptions
 from .._types import Route
 from .build import Planned
+
+
+def call_shape(routes: Sequence[Route], *, merge_shared: bool, options: PlanOptions) -> tuple:
+    """The key of a kind of router call (the glossary's *call shape*): ``backward`` (``merge_shared``) or ``grads``,
+    the options, the group names and loss counts. The cache, a static graph's record and the measured choice keep
+    their state per call shape."""
+    return (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
 
 
 @dataclass(eq=False)

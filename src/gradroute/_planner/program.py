@@ -14,7 +14,7 @@ from .._graph import Graph, root_node, walk
 from .._options import PlanOptions
 from .._types import Route
 from .build import NO_CHECKPOINTS, Checkpoints, Planned, analyse
-from .cache import PlanCache, param_marks
+from .cache import PlanCache, call_shape, param_marks
 from .follow import StaticGraph
 from .plan import Plan
 
@@ -93,7 +93,7 @@ def build(
     route_roots = [[root_node(t) for t in r.losses] for r in routes]
     roots = [n for nodes in route_roots for n in nodes]
     options = options or PlanOptions()
-    key = (merge_shared, options, tuple((r.name, len(r.losses)) for r in routes))
+    key = call_shape(routes, merge_shared=merge_shared, options=options)
     marks, by_mark = cache.marks(routes) if cache is not None else (param_marks(routes), [])
     if static is not None and graph is None:
         f = static.follow(key, roots, routes, by_mark)

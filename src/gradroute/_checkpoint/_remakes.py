@@ -15,8 +15,8 @@ A tensor that cheap ops made from other saved tensors need not be kept:
 3. Tensors are matched by their data (storage, offset, shape, strides, dtype), not by object: autograd hands
    views on as new objects.
 4. Recording costs a Python dispatch mode during shared recomputations, and the cheap ops run once more per
-   call; so only segments that save ``PlanOptions.remake_min_bytes`` or more record remakes, where the bytes
-   saved outweigh that host time (BENCHMARKS.md has the figures).
+   call; so only segments that save ``PlanOptions.remake_min_bytes`` or more record remakes: below that, the
+   host time costs more than the memory saved is worth.
 """
 
 from __future__ import annotations

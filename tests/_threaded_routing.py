@@ -5,11 +5,12 @@ test asserts. Two routers train two independent model pairs (each with ``gradrou
 two threads while the main thread runs plain backwards through ``gradroute.checkpoint``.
 
 NOTE [Why the threaded test runs in a process of its own]
-CI hung twice in this scenario, with the GIL held (pytest-timeout's thread method never reported), and it never
-hung here in thousands of runs, in or out of pytest. In a process of its own, a hang stops this scenario only:
-faulthandler (armed below) dumps every thread's Python stack, then the parent takes the C stacks (gdb, where it
-can attach) and kills it. The parent then reports the hang as a warning with those stacks and runs the
-scenario once more; a second hang fails the test. Anything else the scenario finds fails it at once.
+1. CI hung twice in this scenario with the GIL held (pytest-timeout's thread method never reported); it never
+   hung here in thousands of runs, and the cause was not found. (The router then paused the cycle collector
+   process-wide with a lock shared by threads; that pause is gone.)
+2. In a process of its own, a hang stops this scenario only: faulthandler (armed below) dumps every thread's
+   Python stack, then the parent takes the C stacks (gdb, where it can attach), kills it and fails the test
+   with both. There is no retry: a hang fails the test like anything else the scenario finds.
 """
 
 from __future__ import annotations

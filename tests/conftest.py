@@ -12,10 +12,9 @@ import pytest
 import torch
 
 # NOTE [A hung test ends the run with every thread's stack]
-# pytest-timeout's thread method needs the GIL to report and exit, so a test hung with the GIL held (a C++ lock
-# waited for under it, say) would run on to CI's own limit and print nothing. faulthandler's watchdog is a C
-# thread that needs no GIL: armed for each test a while past its pytest-timeout limit, it writes every thread's
-# Python stack to the terminal (a copy of stderr taken before any test's capture) and exits the run.
+# pytest-timeout's thread method needs the GIL, so a test hung holding it printed nothing until CI's own limit. A
+# faulthandler C thread needs none: armed past each test's own pytest-timeout limit, it dumps every thread's stack
+# and exits. pytest's faulthandler_timeout (its exit option: pytest 9) is one limit for all tests (ours: 600-3600 s).
 _STDERR_FD = pytest.StashKey[int]()
 
 

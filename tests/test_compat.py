@@ -55,9 +55,13 @@ def test_release_parsing_against_the_minimum() -> None:
     assert _compat._release("2.4.1+cu121") < _compat.MIN_TORCH <= _compat._release("2.5.0a0+git1234")
 
 
-def test_no_donated_buffers_is_a_context() -> None:
+def test_no_donated_buffers_turns_donation_off_inside_only() -> None:
+    import torch._functorch.config as functorch_config
+
+    before = getattr(functorch_config, "donated_buffer", None)
     with _compat.no_donated_buffers():
-        pass
+        assert getattr(functorch_config, "donated_buffer", False) is False
+    assert getattr(functorch_config, "donated_buffer", None) == before
 
 
 def test_get_autocast_kwargs_read_the_autocast_state() -> None:

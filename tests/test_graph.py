@@ -106,3 +106,49 @@ def test_edges_into_other_input_slots_are_recorded():
     g = walk([(b * c).sum().grad_fn], {})
     slots = {nr for out in g.succ for _, nr in out}
     assert slots == {0, 1}
+
+
+def _custom(x: torch.Tensor) -> torch.Tensor:
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    return Twice.apply(x)
+
+
+def _copy_slices(x: torch.Tensor) -> torch.Tensor:
+    y = x * 1
+    y[0] = 0.0
+    return y
+
+
+@pytest.mark.parametrize(
+    ("op", "expected"),
+    [
+        (lambda x: x.view(-1), True),
+        (lambda x: x.t(), True),
+        (lambda x: x + x, True),
+        (lambda x: torch.cat([x, x]), True),
+        (lambda x: x * x, False),
+        (lambda x: x.sin(), False),
+        (lambda x: x @ x, False),
+        (_custom, False),
+        (_copy_slices, False),
+    ],
+)
+def test_stateless_nodes_are_those_that_save_no_tensors(op, expected):
+    # a stateless node may run in any number of engine calls, retaining or not (the planner relies on it)
+    from gradroute._graph import stateless
+
+    x = torch.randn(3, 3, requires_grad=True)
+    out = op(x)
+    assert stateless(out.grad_fn) is expected
+    if expected:  # released by a call without retain_graph, it runs again
+        total = out.sum()
+        first = torch.autograd.grad(total, x)
+        torch.testing.assert_close(torch.autograd.grad(total, x), first, rtol=0, atol=0)

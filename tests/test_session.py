@@ -15,9 +15,9 @@ import json
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 import gradroute
@@ -45,13 +45,9 @@ def _stacks_of(pid: int) -> str:
     return run.stdout[-20000:] + run.stderr[-2000:]
 
 
-class ScenarioHang(UserWarning):
-    """The threaded scenario hung once (its stacks in the message) and was run again."""
-
-
-def _scenario_once() -> tuple[dict | None, str]:
-    """One run of the scenario: its JSON result, or None and its stacks if it gave none in 100 s (it takes
-    seconds; its Python stacks are on its stderr from 80 s, gdb adds the C stacks)."""
+def _run_threaded_scenario() -> dict:
+    """The scenario's JSON result; a hang fails the test with every thread's Python and C stacks (it takes
+    seconds; its Python stacks are on its stderr from 80 s, gdb adds the C stacks at 100 s)."""
     child = subprocess.Popen(
         [sys.executable, "-m", "tests._threaded_routing"],
         cwd=ROOT,
@@ -64,23 +60,10 @@ def _scenario_once() -> tuple[dict | None, str]:
     except subprocess.TimeoutExpired:
         stacks = _stacks_of(child.pid)
         child.kill()
-        return None, f"{child.communicate()[1][-6000:]}\nC stacks (gdb):\n{stacks[-8000:]}"
+        err = child.communicate()[1]
+        pytest.fail(f"the threaded scenario hung; its stacks:\n{err[-6000:]}\nC stacks (gdb):\n{stacks[-8000:]}")
     assert child.returncode == 0, f"the threaded scenario failed ({child.returncode}):\n{err}"
-    return json.loads(out.strip().splitlines()[-1]), err
-
-
-def _run_threaded_scenario(attempts: int = 2) -> dict:
-    """The scenario's JSON result; a hang is reported as a :class:`ScenarioHang` warning with the scenario's
-    stacks and run again, the last one fails."""
-    for attempt in range(1, attempts):
-        result, stacks = _scenario_once()
-        if result is not None:
-            return result
-        report = f"the threaded scenario hung (attempt {attempt} of {attempts}); its stacks:\n{stacks}"
-        warnings.warn(report, ScenarioHang, stacklevel=1)
-    result, stacks = _scenario_once()
-    assert result is not None, f"the threaded scenario hung (attempt {attempts} of {attempts}); its stacks:\n{stacks}"
-    return result
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_concurrent_routed_backwards_and_plain_backwards_leave_nothing_behind() -> None:

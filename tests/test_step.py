@@ -1,178 +1,38 @@
-"""Router.step(): AMP with several optimizers, clipping, hooks, accumulation, schedulers, resume, call order.
+"""gradroute._step: Router.step() with AMP and several optimizers, clipping, hooks, accumulation, schedulers,
+resume, stats, call order.
 
 The references follow PyTorch's AMP notes ("Working with multiple models, losses, and optimizers") line by line,
-with an independent forward per loss; they never call gradroute.
+with an independent forward per loss; they never call gradroute (``tests/_step_setup.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import io
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import gradroute
-from gradroute._step_checks import STATE_KEYS
 from gradroute.schedules import warmup_power
 from tests._state import assert_same, whole_state
-
-INF = float("inf")
-
-# ---------------------------------------------------------------------- setups
-
-
-def make_nets(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(seed)
-    tenc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)).to(dtype)
-    unet = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).to(dtype)
-    return tenc, unet
-
-
-def make_batches(n: int, size: int = 8, seed: int = 1, dtype: torch.dtype = torch.float32) -> list[tuple]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randn(size, 4, generator=g).to(dtype),
-            torch.randn(size, 4, generator=g).to(dtype),
-            (torch.rand(size, 4, generator=g) > 0.5).to(dtype),
-        )
-        for _ in range(n)
-    ]
-
-
-#: name -> (autocast dtype or None, GradScaler kwargs or None for no scaler)
-PRECISIONS: dict[str, tuple[torch.dtype | None, dict | None]] = {
-    "fp32": (None, None),
-    "bf16": (torch.bfloat16, None),
-    "fp16-scaler": (torch.float16, {}),
-    "bf16-scaler": (torch.bfloat16, {}),
-    "fp32-disabled-scaler": (None, {"enabled": False}),
-}
-
-
-def autocast(dtype: torch.dtype | None) -> Any:
-    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
-
-
-def make_scaler(kwargs: dict | None) -> torch.amp.GradScaler | None:
-    return None if kwargs is None else torch.amp.GradScaler("cpu", **kwargs)
-
-
-def seed_optimizers(tenc: nn.Module, unet: nn.Module, kind: str) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    """The question's optimizers (kind "seed") or bigger-lr variants whose updates are visible in float32."""
-    if kind == "seed":
-        common = {"betas": (0.9, 0.99), "eps": 1e-07, "fused": True, "foreach": False}
-        return (
-            torch.optim.AdamW(tenc.parameters(), lr=1e-07, weight_decay=1e-3, **common),
-            torch.optim.AdamW(unet.parameters(), lr=1e-06, weight_decay=1e-2, **common),
-        )
-    if kind == "sgd":
-        return (
-            torch.optim.SGD(tenc.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
-            torch.optim.SGD(unet.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-2),
-        )
-    flags = {"adamw-fused": {"fused": True}, "adamw-foreach": {"foreach": True}}[kind]
-    return (
-        torch.optim.AdamW(tenc.parameters(), lr=1e-2, weight_decay=1e-3, betas=(0.9, 0.99), eps=1e-7, **flags),
-        torch.optim.AdamW(unet.parameters(), lr=2e-2, weight_decay=1e-2, betas=(0.9, 0.99), eps=1e-7, **flags),
-    )
-
-
-def losses(tenc: nn.Module, unet: nn.Module, batch: tuple, dtype: torch.dtype | None, inf_unet: bool = False):
-    """The question's two losses from one forward: ``loss.mean()`` and ``(loss * mask).mean()``."""
-    x, target, mask = batch
-    with autocast(dtype):
-        model_pred = unet(tenc(x))
-        loss = F.mse_loss(model_pred, target, reduction="none")
-        loss_tenc = loss.mean()
-        loss_unet = (loss * mask).mean()
-    if inf_unet:
-        loss_unet = loss_unet * INF
-    return loss_tenc, loss_unet
-
-
-def loss_dict(tenc: nn.Module, unet: nn.Module, batch: tuple, dtype: torch.dtype | None) -> dict:
-    loss_tenc, loss_unet = losses(tenc, unet, batch, dtype)
-    return {"tenc": loss_tenc, "unet": loss_unet}
-
-
-class Setup:
-    """Two networks, two optimizers, two warmup_power schedulers, one optional GradScaler."""
-
-    def __init__(self, opt_kind: str, precision: str, seed: int = 0, schedule: tuple = (2, 2.0, 6)) -> None:
-        self.dtype, scaler_kwargs = PRECISIONS[precision]
-        self.tenc, self.unet = make_nets(seed)
-        self.opt_t, self.opt_u = seed_optimizers(self.tenc, self.unet, opt_kind)
-        self.sched_t = warmup_power(self.opt_t, *schedule)
-        self.sched_u = warmup_power(self.opt_u, *schedule)
-        self.scaler = make_scaler(scaler_kwargs)
-
-    def router(self, max_t: float | None = None, max_u: float | None = None, **kw: Any) -> gradroute.Router:
-        return gradroute.Router(
-            tenc=gradroute.Group(self.tenc, optimizer=self.opt_t, scheduler=self.sched_t, max_grad_norm=max_t),
-            unet=gradroute.Group(self.unet, optimizer=self.opt_u, scheduler=self.sched_u, max_grad_norm=max_u),
-            scaler=self.scaler,
-            **kw,
-        )
-
-    def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for m in (self.tenc, self.unet) for p in m.parameters()]
-
-
-def reference_step(ref: Setup, batch: tuple, max_t: float | None, max_u: float | None, inf_unet: bool = False):
-    """One iteration written out as in PyTorch's AMP notes for two models, two losses, two optimizers.
-
-    Each loss gets its own forward (so each backward frees its own graph), every backward runs before any
-    optimizer steps, each optimizer is unscaled once, clipped, stepped; the scaler is updated once; a scheduler
-    steps when its optimizer's gradients were finite (the optimizer really stepped), or when the optimizer skips
-    on the device (fused: ``GradScaler.step`` hands it ``found_inf``; the host does not know, and the recipe
-    steps the scheduler).
-    """
-    scaler = ref.scaler if ref.scaler is not None else torch.amp.GradScaler("cpu", enabled=False)
-    tenc_params, unet_params = list(ref.tenc.parameters()), list(ref.unet.parameters())
-    loss_tenc, _ = losses(ref.tenc, ref.unet, batch, ref.dtype)
-    scaler.scale(loss_tenc).backward(inputs=tenc_params)
-    _, loss_unet = losses(ref.tenc, ref.unet, batch, ref.dtype, inf_unet=inf_unet)
-    scaler.scale(loss_unet).backward(inputs=unet_params)
-    scale = scaler.get_scale() if scaler.is_enabled() else None
-    scaler.unscale_(ref.opt_t)
-    scaler.unscale_(ref.opt_u)
-    norms = []
-    for params, max_norm in ((tenc_params, max_t), (unet_params, max_u)):
-        if max_norm is None:
-            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
-        else:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-    lrs = [ref.opt_t.param_groups[0]["lr"], ref.opt_u.param_groups[0]["lr"]]
-    scaler.step(ref.opt_t)
-    scaler.step(ref.opt_u)
-    scaler.update()
-    for sched, opt, norm in ((ref.sched_t, ref.opt_t, norms[0]), (ref.sched_u, ref.opt_u, norms[1])):
-        if math.isfinite(norm) or getattr(opt, "_step_supports_amp_scaling", False):
-            sched.step()
-    ref.opt_t.zero_grad(set_to_none=True)
-    ref.opt_u.zero_grad(set_to_none=True)
-    return {
-        "loss": [loss_tenc.item(), loss_unet.item()],
-        "grad_norm": norms,
-        "lr": lrs,
-        "scale": scale,
-    }
-
-
-def assert_params(actual: list[torch.Tensor], expected: list[torch.Tensor], rtol: float, atol: float) -> None:
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected, strict=True):
-        torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
-
+from tests._step_setup import (
+    INF,
+    PRECISIONS,
+    Setup,
+    assert_params,
+    backward_again,
+    loss_dict,
+    losses,
+    make_batches,
+    make_nets,
+    make_scaler,
+    reference_step,
+    trained_once,
+)
 
 # ---------------------------------------------------------------------- AMP against the reference
 
@@ -200,40 +60,6 @@ def test_step_matches_amp_reference(precision: str, opt_kind: str) -> None:
     assert ours.sched_t.last_epoch == ref.sched_t.last_epoch == 3
     if ours.scaler is not None:
         assert ours.scaler.state_dict() == ref.scaler.state_dict()
-
-
-@pytest.mark.parametrize("opt_kind", ["adamw-foreach", "adamw-fused", "sgd"])
-def test_inf_in_one_group_skips_only_that_optimizer(opt_kind: str) -> None:
-    ours, ref = Setup(opt_kind, "fp16-scaler"), Setup(opt_kind, "fp16-scaler")
-    router = ours.router(max_t=1.0)
-    batches = make_batches(3)
-    on_device = opt_kind == "adamw-fused"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for k, batch in enumerate(batches):
-            inject = k == 1
-            unet_before = [p.detach().clone() for p in ours.unet.parameters()]
-            opt_u_before = copy.deepcopy(ours.opt_u.state_dict())
-            scale_before = ours.scaler.get_scale()
-            reference_step(ref, batch, 1.0, None, inf_unet=inject)
-            loss_tenc, loss_unet = losses(ours.tenc, ours.unet, batch, ours.dtype, inf_unet=inject)
-            router.backward(tenc=loss_tenc, unet=loss_unet)
-            stats = router.step()
-            assert stats["unet"].skipped is inject
-            assert stats["tenc"].skipped is False
-            assert_params(ours.params(), ref.params(), rtol=1e-5, atol=1e-7)
-            if inject:
-                assert not math.isfinite(stats["unet"].grad_norm)
-                assert math.isfinite(stats["tenc"].grad_norm)
-                for before, p in zip(unet_before, ours.unet.parameters(), strict=True):
-                    assert torch.equal(before, p)  # the skipped network is unchanged, bit for bit
-                assert_same(opt_u_before, ours.opt_u.state_dict())
-                assert ours.scaler.get_scale() == scale_before * 0.5  # backed off once, not once per optimizer
-                # a fused optimizer skips on the device: its schedule advances, as in torch's recipe
-                assert ours.sched_u.last_epoch == (2 if on_device else 1) and ours.sched_t.last_epoch == 2
-            assert ours.scaler.get_scale() == ref.scaler.get_scale()
-    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
-    assert ours.sched_u.last_epoch == ref.sched_u.last_epoch == (3 if on_device else 2)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16-scaler"])
@@ -452,264 +278,6 @@ def test_resume_is_bit_identical(save_at: str, tmp_path: Path) -> None:
         assert router_c.groups[name].scheduler.state_dict() == router_a.groups[name].scheduler.state_dict()
 
 
-# ---------------------------------------------------------------------- the seed's setup and the docs
-
-
-def test_seed_setup_steps_with_the_scheduled_learning_rates() -> None:
-    s = Setup("seed", "fp16-scaler", schedule=(30, 5, 100))
-    router = s.router(max_t=1.0, max_u=1.0)
-    for k, batch in enumerate(make_batches(4)):
-        router.backward(loss_dict(s.tenc, s.unet, batch, s.dtype))
-        stats = router.step()
-        assert stats["tenc"].lr == pytest.approx(1e-07 * (k + 1) / 30, rel=1e-12)
-        assert stats["unet"].lr == pytest.approx(1e-06 * (k + 1) / 30, rel=1e-12)
-        assert not stats["tenc"].skipped and not stats["unet"].skipped
-    for opt in (s.opt_t, s.opt_u):
-        assert opt.defaults["fused"] is True
-        assert all(float(st["step"]) == 4 for st in opt.state.values())
-
-
-# ---------------------------------------------------------------------- call-order and configuration errors
-
-
-def _trained_once(precision: str = "fp16-scaler") -> tuple[Setup, gradroute.Router]:
-    s = Setup("adamw-foreach", precision)
-    router = s.router(max_t=1.0)
-    router.backward(loss_dict(s.tenc, s.unet, make_batches(1)[0], s.dtype))
-    router.step()
-    return s, router
-
-
-def _backward(s: Setup, router: gradroute.Router, seed: int = 2) -> None:
-    router.backward(loss_dict(s.tenc, s.unet, make_batches(1, seed=seed)[0], s.dtype))
-
-
-def test_step_without_backward_fails() -> None:
-    s = Setup("sgd", "fp32")
-    router = s.router()
-    with pytest.raises(RuntimeError, match=r"no `backward\(\)` since the last `step\(\)`"):
-        router.step()
-
-
-def test_step_twice_after_one_backward_fails() -> None:
-    _, router = _trained_once()
-    before = whole_state(router)
-    with pytest.raises(RuntimeError, match=r"no `backward\(\)` since the last `step\(\)` \(state: ready\)"):
-        router.step()
-    assert_same(before, whole_state(router))
-
-
-def test_step_with_a_group_without_optimizer_fails() -> None:
-    tenc, unet = make_nets()
-    router = gradroute.Router(
-        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)), unet=unet
-    )
-    loss_tenc, loss_unet = losses(tenc, unet, make_batches(1)[0], None)
-    router.backward(tenc=loss_tenc, unet=loss_unet)
-    grads = [p.grad.clone() for m in (tenc, unet) for p in m.parameters()]
-    params = [p.detach().clone() for m in (tenc, unet) for p in m.parameters()]
-    with pytest.raises(RuntimeError, match="needs an optimizer for every group; group `unet` has none"):
-        router.step()
-    for g, p, q in zip(grads, params, [p for m in (tenc, unet) for p in m.parameters()], strict=True):
-        assert torch.equal(g, q.grad) and torch.equal(p, q.detach())
-
-
-def test_optimizer_missing_group_parameters_fails() -> None:
-    tenc, unet = make_nets()
-    partial = torch.optim.SGD(tenc[0].parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"is missing 2 parameter\(s\): `tenc\.2\.weight` \(8x8\), `tenc\.2\.bias`"):
-        gradroute.Router(tenc=gradroute.Group(tenc, optimizer=partial), unet=unet)
-
-
-def test_optimizer_with_extra_parameters_fails() -> None:
-    tenc, unet = make_nets()
-    both = torch.optim.SGD([*tenc.parameters(), *unet.parameters()], lr=0.1)
-    with pytest.raises(ValueError, match=r"also holds 4 parameter\(s\): `unet\.0\.weight` \(8x8\)"):
-        gradroute.Router(tenc=gradroute.Group(tenc, optimizer=both), unet=unet)
-
-
-def test_optimizer_changed_after_construction_fails() -> None:
-    s, router = _trained_once()
-    _backward(s, router)
-    s.opt_t.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
-    before = whole_state(router)
-    with pytest.raises(RuntimeError, match=r"also holds 1 parameter\(s\).*changed after the Router was built"):
-        router.step()
-    assert_same(before, whole_state(router))
-
-
-def test_same_parameters_in_two_stepped_groups_fails() -> None:
-    tenc, _ = make_nets()
-    with pytest.raises(ValueError, match="is in groups `a` and `b`, which both have an optimizer"):
-        gradroute.Router(
-            a=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
-            b=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
-        )
-
-
-@pytest.mark.parametrize("accumulate", [0, -2])
-def test_accumulate_below_one_fails(accumulate: int) -> None:
-    tenc, unet = make_nets()
-    with pytest.raises(ValueError, match=rf"`accumulate` must be >= 1, got {accumulate}"):
-        gradroute.Router(tenc=tenc, unet=unet, accumulate=accumulate)
-
-
-@pytest.mark.parametrize("accumulate", [2.0, "4", True, None])
-def test_accumulate_not_an_int_fails(accumulate: Any) -> None:
-    tenc, unet = make_nets()
-    with pytest.raises(TypeError, match=r"`accumulate` must be an int >= 1, got"):
-        gradroute.Router(tenc=tenc, unet=unet, accumulate=accumulate)
-
-
-def test_scheduler_of_another_groups_optimizer_fails() -> None:
-    tenc, unet = make_nets()
-    opt_t, opt_u = torch.optim.SGD(tenc.parameters(), lr=0.1), torch.optim.SGD(unet.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="scheduler of group `tenc` is bound to the optimizer of group `unet`"):
-        gradroute.Router(
-            tenc=gradroute.Group(tenc, optimizer=opt_t, scheduler=warmup_power(opt_u, 1, 1.0, 3)),
-            unet=gradroute.Group(unet, optimizer=opt_u),
-        )
-
-
-def test_scheduler_changed_to_another_optimizer_fails() -> None:
-    s, router = _trained_once()
-    _backward(s, router)
-    s.sched_t.optimizer = s.opt_u
-    before = whole_state(router)
-    with pytest.raises(RuntimeError, match=r"bound to the optimizer of group `unet`.*changed after the Router"):
-        router.step()
-    assert_same(before, whole_state(router))
-
-
-def test_scheduler_without_optimizer_fails() -> None:
-    tenc, unet = make_nets()
-    sched = warmup_power(torch.optim.SGD(tenc.parameters(), lr=0.1), 1, 1.0, 3)
-    with pytest.raises(ValueError, match="group `tenc` has a `scheduler` but no `optimizer`"):
-        gradroute.Router(tenc=gradroute.Group(tenc, scheduler=sched), unet=unet)
-
-
-def test_reduce_lr_on_plateau_scheduler_fails() -> None:
-    tenc, unet = make_nets()
-    opt = torch.optim.SGD(tenc.parameters(), lr=0.1)
-    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
-    with pytest.raises(TypeError, match="ReduceLROnPlateau, which steps on a metric"):
-        gradroute.Router(tenc=gradroute.Group(tenc, optimizer=opt, scheduler=plateau), unet=unet)
-
-
-def test_scaler_of_wrong_type_fails() -> None:
-    tenc, unet = make_nets()
-    with pytest.raises(TypeError, match=r"`scaler` must be a torch.amp.GradScaler or None, got float"):
-        gradroute.Router(tenc=tenc, unet=unet, scaler=65536.0)
-
-
-def test_step_after_manual_unscale_fails() -> None:
-    s, router = _trained_once()
-    _backward(s, router)
-    s.scaler.unscale_(s.opt_u)
-    before = whole_state(router)
-    with pytest.raises(RuntimeError, match=r"scaler was already used on group `unet`'s optimizer.*stage UNSCALED"):
-        router.step()
-    assert_same(before, whole_state(router))
-
-
-def test_float16_gradients_with_scaler_fails() -> None:
-    tenc, unet = make_nets(dtype=torch.float16)
-    router = gradroute.Router(
-        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
-        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
-        scaler=torch.amp.GradScaler("cpu", init_scale=1.0),
-    )
-    x, target, mask = make_batches(1, dtype=torch.float16)[0]
-    loss = (unet(tenc(x)) - target).pow(2)  # not mse_loss: torch 2.5 has no float16 mse_loss backward on the CPU
-    router.backward(tenc=loss.mean(), unet=(loss * mask).mean())
-    grads = [p.grad.clone() for m in (tenc, unet) for p in m.parameters()]
-    with pytest.raises(ValueError, match=r"`tenc\.0\.weight` \(8x4\) of group `tenc` has float16 gradients"):
-        router.step()
-    assert all(
-        torch.equal(g, p.grad) for g, p in zip(grads, [p for m in (tenc, unet) for p in m.parameters()], strict=True)
-    )
-
-
-def test_load_state_dict_with_other_groups_fails() -> None:
-    _, router = _trained_once()
-    saved = router.state_dict()
-    other = Setup("adamw-foreach", "fp16-scaler", seed=3)
-    lone = gradroute.Router(tenc=gradroute.Group(other.tenc, optimizer=other.opt_t), scaler=other.scaler)
-    before = copy.deepcopy(other.opt_t.state_dict())
-    with pytest.raises(ValueError, match=r"has optimizers for groups \['tenc', 'unet'\], this Router for groups"):
-        lone.load_state_dict(saved)
-    assert_same(before, other.opt_t.state_dict())
-
-
-def test_load_state_dict_without_scaler_fails() -> None:
-    _, router = _trained_once()
-    saved = router.state_dict()
-    fresh = Setup("adamw-foreach", "fp32", seed=3)
-    target = fresh.router()
-    before = whole_state(target)
-    with pytest.raises(ValueError, match="holds a scaler's state; this Router has no `scaler`"):
-        target.load_state_dict(saved)
-    assert_same(before, whole_state(target))
-
-
-def test_load_state_dict_from_another_window_size_fails() -> None:
-    s = Setup("sgd", "fp32")
-    router = s.router(accumulate=3)
-    _backward(s, router)
-    router.step()
-    saved = router.state_dict()
-    other = Setup("sgd", "fp32")
-    with pytest.raises(ValueError, match="saved inside an accumulation window of 3 micro-batches; this Router has"):
-        other.router(accumulate=4).load_state_dict(saved)
-
-
-def test_load_state_dict_of_something_else_fails() -> None:
-    s = Setup("sgd", "fp32")
-    with pytest.raises(ValueError, match=r"is not from Router\.state_dict"):
-        s.router().load_state_dict(s.opt_t.state_dict())
-
-
-def test_stats_are_a_dict_of_group_stats() -> None:
-    s, router = _trained_once()
-    _backward(s, router)
-    stats = router.step()
-    assert isinstance(stats, dict) and set(stats) == {"tenc", "unet"}
-    assert isinstance(stats["tenc"], gradroute.GroupStats)
-    assert "StepStats(accumulating=False, micro_step=1/1, step=2" in repr(stats)
-
-
-def test_docstring_examples_run() -> None:
-    import doctest
-
-    import gradroute._step
-
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    tests = [
-        *doctest.DocTestFinder().find(gradroute._step, "gradroute._step", globs={}),
-        *doctest.DocTestFinder().find(gradroute.Router.step, "Router.step", globs={}),
-    ]
-    assert sum(len(t.examples) for t in tests) >= 8
-    for t in tests:
-        runner.run(t)
-    assert runner.summarize(verbose=False).failed == 0
-
-
-def test_skip_reason_tells_nonfinite_from_no_gradient():
-    a, b, c = (torch.nn.Linear(3, 3) for _ in range(3))
-    router = gradroute.Router(
-        a=gradroute.Group(a, optimizer=torch.optim.SGD(a.parameters(), lr=0.1)),
-        b=gradroute.Group(b, optimizer=torch.optim.SGD(b.parameters(), lr=0.1)),
-        c=gradroute.Group(c, optimizer=torch.optim.SGD(c.parameters(), lr=0.1)),
-        scaler=torch.amp.GradScaler("cpu"),
-    )
-    x = torch.randn(2, 3)
-    router.backward(a=a(x).sum() * float("inf"), b=b(x).sum())
-    stats = router.step()
-    assert (stats["a"].skipped, stats["a"].skip_reason) == (True, "nonfinite")
-    assert (stats["b"].skipped, stats["b"].skip_reason) == (False, None)
-    assert (stats["c"].skipped, stats["c"].skip_reason) == (True, "no_grad")
-
-
 # ---------------------------------------------------------------------- resume from any point of a window
 
 
@@ -767,6 +335,103 @@ def test_resume_anywhere_in_a_window_is_bit_identical(cut: int, scaler: bool) ->
     assert_same(whole_state(router_a), whole_state(router_c))
 
 
+# ---------------------------------------------------------------------- the seed's setup, the stats and the docs
+
+
+def test_seed_setup_steps_with_the_scheduled_learning_rates() -> None:
+    s = Setup("seed", "fp16-scaler", schedule=(30, 5, 100))
+    router = s.router(max_t=1.0, max_u=1.0)
+    for k, batch in enumerate(make_batches(4)):
+        router.backward(loss_dict(s.tenc, s.unet, batch, s.dtype))
+        stats = router.step()
+        assert stats["tenc"].lr == pytest.approx(1e-07 * (k + 1) / 30, rel=1e-12)
+        assert stats["unet"].lr == pytest.approx(1e-06 * (k + 1) / 30, rel=1e-12)
+        assert not stats["tenc"].skipped and not stats["unet"].skipped
+    for opt in (s.opt_t, s.opt_u):
+        assert opt.defaults["fused"] is True
+        assert all(float(st["step"]) == 4 for st in opt.state.values())
+
+
+def test_stats_are_a_dict_of_group_stats() -> None:
+    s, router = trained_once()
+    backward_again(s, router)
+    stats = router.step()
+    assert isinstance(stats, dict) and set(stats) == {"tenc", "unet"}
+    assert isinstance(stats["tenc"], gradroute.GroupStats)
+    assert "StepStats(accumulating=False, micro_step=1/1, step=2" in repr(stats)
+
+
+def test_skip_reason_tells_nonfinite_from_no_gradient():
+    a, b, c = (torch.nn.Linear(3, 3) for _ in range(3))
+    router = gradroute.Router(
+        a=gradroute.Group(a, optimizer=torch.optim.SGD(a.parameters(), lr=0.1)),
+        b=gradroute.Group(b, optimizer=torch.optim.SGD(b.parameters(), lr=0.1)),
+        c=gradroute.Group(c, optimizer=torch.optim.SGD(c.parameters(), lr=0.1)),
+        scaler=torch.amp.GradScaler("cpu"),
+    )
+    x = torch.randn(2, 3)
+    router.backward(a=a(x).sum() * float("inf"), b=b(x).sum())
+    stats = router.step()
+    assert (stats["a"].skipped, stats["a"].skip_reason) == (True, "nonfinite")
+    assert (stats["b"].skipped, stats["b"].skip_reason) == (False, None)
+    assert (stats["c"].skipped, stats["c"].skip_reason) == (True, "no_grad")
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_recorded_loss_is_a_copy_in_float32_at_least(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    tenc, unet = make_nets()
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
+        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
+    )
+    x, target, mask = make_batches(1)[0]
+    loss = (unet(tenc(x)) - target).pow(2)
+    loss_tenc, loss_unet = loss.mean().to(dtype).reshape(shape), (loss * mask).mean().to(dtype).reshape(shape)
+    expected = {"tenc": loss_tenc.item(), "unet": loss_unet.item()}
+    router.backward(tenc=loss_tenc, unet=loss_unet)
+    with torch.no_grad():  # the caller reuses its loss tensors: what was recorded is a copy
+        loss_tenc.add_(100.0)
+        loss_unet.add_(100.0)
+    stats = router.step()
+    for name, value in expected.items():
+        assert stats[name].loss == value  # exact: a low-precision value is exactly representable in float32
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    import gradroute._step
+
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = [
+        *doctest.DocTestFinder().find(gradroute._step, "gradroute._step", globs={}),
+        *doctest.DocTestFinder().find(gradroute.Router.step, "Router.step", globs={}),
+    ]
+    assert sum(len(t.examples) for t in tests) >= 8
+    for t in tests:
+        runner.run(t)
+    assert runner.summarize(verbose=False).failed == 0
+
+
+# ---------------------------------------------------------------------- call order
+
+
+def test_step_without_backward_fails() -> None:
+    s = Setup("sgd", "fp32")
+    router = s.router()
+    with pytest.raises(RuntimeError, match=r"no `backward\(\)` since the last `step\(\)`"):
+        router.step()
+
+
+def test_step_twice_after_one_backward_fails() -> None:
+    _, router = trained_once()
+    before = whole_state(router)
+    with pytest.raises(RuntimeError, match=r"no `backward\(\)` since the last `step\(\)` \(state: ready\)"):
+        router.step()
+    assert_same(before, whole_state(router))
+
+
 # ---------------------------------------------------------------------- non-finite gradients without a scaler
 
 
@@ -822,100 +487,3 @@ def test_skip_nonfinite_false_keeps_torchs_behaviour(max_norm: float | None) -> 
         for p, q in zip(router.groups[name].params, ref.groups[name].params, strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
     assert not all(torch.isfinite(p).all() for p in router.groups["a"].params)
-
-
-# ---------------------------------------------------------------------- load_state_dict checks everything first
-
-
-@pytest.mark.parametrize("key", [k for k in STATE_KEYS if k != "format"])
-def test_load_state_dict_missing_key_fails(key: str) -> None:
-    _, router = _trained_once()
-    saved = router.state_dict()
-    del saved[key]
-    before = whole_state(router)
-    with pytest.raises(ValueError, match=rf"`state_dict` has no key '{key}'"):
-        router.load_state_dict(saved)
-    assert_same(before, whole_state(router))
-
-
-def test_load_state_dict_with_moments_of_other_shapes_fails() -> None:
-    """Same parameter counts, other shapes: the saved AdamW moments cannot belong to these parameters."""
-    _, router = _trained_once()
-    saved = router.state_dict()
-    torch.manual_seed(5)
-    tenc = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(8, 8))  # the first layer transposed
-    _, unet = make_nets(5)
-    opt_t, opt_u = torch.optim.AdamW(tenc.parameters()), torch.optim.AdamW(unet.parameters())
-    target = gradroute.Router(
-        tenc=gradroute.Group(tenc, optimizer=opt_t, scheduler=warmup_power(opt_t, 2, 2.0, 6)),
-        unet=gradroute.Group(unet, optimizer=opt_u, scheduler=warmup_power(opt_u, 2, 2.0, 6)),
-        scaler=torch.amp.GradScaler("cpu"),
-    )
-    before = whole_state(target)
-    with pytest.raises(
-        ValueError, match=r"`state_dict\['optimizers'\]\['tenc'\]\['state'\]\[0\]\['exp_avg'\]` has shape \(8, 4\)"
-    ):
-        target.load_state_dict(saved)
-    assert_same(before, whole_state(target))
-
-
-def test_load_state_dict_with_gradients_of_another_dtype_fails() -> None:
-    s, router = _trained_once()
-    _backward(s, router)
-    saved = router.state_dict()
-    saved["grads"]["unet"][0] = saved["grads"]["unet"][0].double()
-    before = whole_state(router)
-    with pytest.raises(ValueError, match=r"gradient 0 of group `unet` has shape \(8, 8\), torch.float64"):
-        router.load_state_dict(saved)
-    assert_same(before, whole_state(router))
-
-
-@pytest.mark.parametrize("value", ["1.5", [1.0], None])
-def test_load_state_dict_with_a_loss_that_is_not_a_number_fails(value: Any) -> None:
-    s, router = _trained_once()
-    _backward(s, router)
-    saved = router.state_dict()
-    saved["losses"]["tenc"] = value
-    with pytest.raises(TypeError, match=r"`state_dict\['losses'\]\['tenc'\]` must be a scalar float tensor"):
-        router.load_state_dict(saved)
-
-
-def test_load_state_dict_refused_halfway_by_an_optimizer_changes_nothing() -> None:
-    class Refusing(torch.optim.SGD):
-        def load_state_dict(self, state_dict: Any) -> None:
-            raise RuntimeError("refused")
-
-    s = Setup("sgd", "fp32")
-    router = s.router()
-    _backward(s, router)
-    router.step()
-    _backward(s, router)
-    saved = router.state_dict()
-    router.step()
-    _backward(s, router)  # the optimizer states and gradients differ from the saved ones
-    router.groups["unet"].optimizer.__class__ = Refusing  # after tenc's optimizer has loaded
-    before = whole_state(router)
-    with pytest.raises(RuntimeError, match="refused"):
-        router.load_state_dict(saved)
-    assert_same(before, whole_state(router))
-
-
-@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_recorded_loss_is_a_copy_in_float32_at_least(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    tenc, unet = make_nets()
-    router = gradroute.Router(
-        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
-        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
-    )
-    x, target, mask = make_batches(1)[0]
-    loss = (unet(tenc(x)) - target).pow(2)
-    loss_tenc, loss_unet = loss.mean().to(dtype).reshape(shape), (loss * mask).mean().to(dtype).reshape(shape)
-    expected = {"tenc": loss_tenc.item(), "unet": loss_unet.item()}
-    router.backward(tenc=loss_tenc, unet=loss_unet)
-    with torch.no_grad():  # the caller reuses its loss tensors: what was recorded is a copy
-        loss_tenc.add_(100.0)
-        loss_unet.add_(100.0)
-    stats = router.step()
-    for name, value in expected.items():
-        assert stats[name].loss == value  # exact: a low-precision value is exactly representable in float32

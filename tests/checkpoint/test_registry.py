@@ -20,9 +20,12 @@ from .._reference import assert_grads_match, reference_grads
 
 def test_segment_record_does_not_grow_without_a_router() -> None:
     lin = nn.Linear(3, 3)
-    for _ in range(500):
+    sizes = []
+    for _ in range(1000):
         gradroute.checkpoint(lin, torch.randn(2, 3, requires_grad=True)).sum().backward()
-    assert len(this_thread()) <= 128
+        sizes.append(len(this_thread()))
+    # bounded whatever the pruning threshold: the second 500 backwards never hold more than the first 500 did
+    assert max(sizes[500:]) <= max(sizes[:500]) < 500
 
 
 def _model(width: int, seed: int) -> tuple[nn.Module, nn.ModuleList]:

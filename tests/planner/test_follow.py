@@ -190,17 +190,6 @@ def test_static_graph_graph_freed_away_from_the_losses_leaves_empty_gradients_em
     assert all(p.grad is None for p in _params(tenc, unet))
 
 
-def test_static_graph_off_by_default_walks_every_backward():
-    tenc, unet = _nets()
-    router = gradroute.Router(tenc=tenc, unet=unet)
-    for branch in (False, True, False, True):  # a graph that changes is fine without the promise
-        router.backward(**_forward(tenc, unet, branch=branch)())
-    for _ in range(40):  # and one that does not change is walked all the same
-        router.zero_grad()
-        router.backward(**_forward(tenc, unet)())
-    assert router.graph_counts == gradroute.GraphCounts(walked=44, followed=0, planned=2)
-
-
 @pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-3, ValueError), ("yes", TypeError), (2.5, TypeError)])
 def test_static_graph_bad_value_fails(value, error):
     with pytest.raises(error, match=r"`static_graph` must be"):

@@ -58,7 +58,7 @@ def make_scaler(kwargs: dict | None) -> torch.amp.GradScaler | None:
 
 
 def seed_optimizers(tenc: nn.Module, unet: nn.Module, kind: str) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    """The question's optimizers (kind "seed") or bigger-lr variants whose updates are visible in float32."""
+    """The optimizers of docs/training_step.md (kind "seed") or bigger-lr variants, visible in float32."""
     if kind == "seed":
         common = {"betas": (0.9, 0.99), "eps": 1e-07, "fused": True, "foreach": False}
         return (
@@ -78,7 +78,7 @@ def seed_optimizers(tenc: nn.Module, unet: nn.Module, kind: str) -> tuple[torch.
 
 
 def losses(tenc: nn.Module, unet: nn.Module, batch: tuple, dtype: torch.dtype | None, inf_unet: bool = False):
-    """The question's two losses from one forward: ``loss.mean()`` and ``(loss * mask).mean()``."""
+    """The two losses of docs/training_step.md, from one forward: ``loss.mean()`` and ``(loss * mask).mean()``."""
     x, target, mask = batch
     with autocast(dtype):
         model_pred = unet(tenc(x))

@@ -58,7 +58,7 @@ def make_scaler(kwargs: dict | None) -> torch.amp.GradScaler | None:
 
 
 def seed_optimizers(tenc: nn.Module, unet: nn.Module, kind: str) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    """The optimizers of docs/training_step.md (kind "seed") or bigger-lr variants, visible in float32."""
+    """The optimizers of docs/training_step.md (kind "seed") or bigger-lr variants (updates visible in float32)."""
     if kind == "seed":
         common = {"betas": (0.9, 0.99), "eps": 1e-07, "fused": True, "foreach": False}
         return (

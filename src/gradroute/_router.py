@@ -58,7 +58,7 @@ class Router:
     Parameters the loss does not reach, and groups not named in the call, are untouched. A parameter in
     several groups receives the sum of their losses' gradients.
 
-    The plan (which engine passes, with which ``inputs=``, which retain, in which order) is made from the
+    The plan (which engine calls, with which ``inputs=``, which retain, in which order) is made from the
     autograd graph of the losses on every call; see :meth:`plan`.
 
     Args:

@@ -1,13 +1,14 @@
 """The whole training iteration of ``gradroute bench --step``, phase by phase, in CPU time.
 
     python benchmarks/step_phases.py [--workload sd-tiny|gan] [--width 8 --batch-size 1] [--steps 200]
-                                     [--processes 3] [--static-graph]
+                                     [--processes 3] [--static-graph] [--keep-nonfinite]
 
 The router's loop and the hand-written one (``gradroute.cli.bench.loops``: two fused AdamW, warmup+power
 schedulers, clipping at 1.0, no scaler in fp32) take turns iteration by iteration; each phase (forward, routed
 backward, step with zero_grad) is timed in CPU time of the calling thread, one torch thread, which other
 processes do not inflate. Prints the medians per phase and the ratio of the iteration's summed medians;
-``--processes N``: the median ratio over N processes.
+``--processes N``: the median ratio over N processes. ``--keep-nonfinite``: the router with
+``skip_nonfinite=False`` (torch's behaviour, as the hand-written loop: no inf/NaN check before the step).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+import gradroute
 from gradroute.cli.bench.loops import SETUP, Loop, make_loop
 from gradroute.cli.workloads import build
 
@@ -70,6 +72,14 @@ def run_once(args: argparse.Namespace) -> float:
         )
         for name in ("hand_cut", "gradroute")
     }
+    if args.keep_nonfinite:
+        loop = loops["gradroute"]
+        names = (loop.wl.up_name, loop.wl.down_name)
+        groups = {
+            n: gradroute.Group(p, optimizer=o, scheduler=s, max_grad_norm=SETUP["max_grad_norm"])
+            for n, p, o, s in zip(names, loop.params, loop.optimizers, loop.schedulers)
+        }
+        loop.router = gradroute.Router(groups, static_graph=args.static_graph, skip_nonfinite=False)
     fns = {"hand_cut": hand, "gradroute": routed}
     times = {name: {ph: [] for ph in PHASES} for name in loops}
     for k in range(args.warmup + args.steps):
@@ -94,6 +104,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--static-graph", action="store_true")
+    p.add_argument("--keep-nonfinite", action="store_true")
     p.add_argument("--processes", type=int, default=1)
     args = p.parse_args()
     if args.processes > 1:

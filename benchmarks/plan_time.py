@@ -80,7 +80,7 @@ def _load_baseline(src: str) -> Any:
 
 
 def _against_baseline(label: str, router: Any, losses: dict, repeats: int, base_plan: Any) -> None:
-    from gradroute._router import _CHECKPOINTS
+    from gradroute._routing import CHECKPOINTS as _CHECKPOINTS
 
     routes = router._routes(losses, {}, "plan")
     options = router.plan_options

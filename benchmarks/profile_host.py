@@ -45,7 +45,7 @@ PARTS: list[tuple[str, Callable[[str, str], bool]]] = [
     ("Router._program own time (the cycle collector runs here)", lambda f, n: n == "_program"),
     (
         "router: loss checks, step bookkeeping",
-        lambda f, n: f.endswith(("_router.py", "_loss_checks.py", "_refusals.py", "_step.py")),
+        lambda f, n: f.endswith(("_router.py", "_routing.py", "_loss_checks.py", "_refusals.py", "_step.py")),
     ),
     ("handoff hooks (cut gradients, .grad steal)", lambda f, n: "_execute" in f and n in ("give", "close", "hook")),
     ("executor: Python around each engine call", lambda f, n: "_execute" in f or "_session" in f),

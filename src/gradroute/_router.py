@@ -2,52 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
-import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from . import _checkpoint
 from ._accelerate import check_backward
-from ._autotune import Autotune, Tuner
-from ._distributed import fsdp2_unsharded, has_dtensor, live_params
-from ._execute import execute, undoable
+from ._autotune import Autotune
 from ._group import Group, GroupLike
-from ._loss_checks import checked_losses, merge_named
-from ._losses import merge_same_losses
+from ._loss_checks import merge_named
 from ._options import PlanOptions
-from ._plain import run_plain, runs_plain
-from ._plan_notes import router_plan
-from ._planner import Checkpoints, Plan, PlanCache, Program, StaticGraph, build, call_shape
-from ._refusals import check_walked, refuse_reentrant_after, unreached_message
+from ._planner import Plan
 from ._router_options import RoutingOptions, make_stepper
+from ._routing import LossLike, Routing
 from ._step import StepStats
-from ._types import GraphCounts, Route
-
-LossLike = torch.Tensor | Sequence[torch.Tensor]
-
-# what the planner reads about gradroute.checkpoint segments (it imports nothing of the checkpoint module);
-# looked up at call time, so the planner sees the module's functions as they are then
-_CHECKPOINTS = Checkpoints(
-    segments=lambda nodes: _checkpoint.segments(nodes), node_bytes=lambda node: _checkpoint.held_bytes(node)
-)
-
-
-# NOTE [Exact by default]
-# What makes every routed backward of a default ``Router`` exact, whatever the sequence of graphs:
-#   1. Every backward walks its losses' whole graph (``static_graph`` is the user's promise and off by default).
-#   2. The plan is a function of the walked graph's signature; an analysis is reused only for an equal signature
-#      under the same call shape and options (``PlanCache``), and the executor takes its targets from the walked
-#      graph, never from a cache.
-#   3. The measured choice only chooses which options plan the walked graph; each option's plan is exact
-#      (``_planner``), its tuning is per signature, and a followed graph is never planned again.
-#   4. What a walk refuses (a loss that reaches none of its group, a reentrant segment, a freed graph) is refused
-#      before the first engine call; a failure in the engine is undone where every ``.grad`` was None.
-# Rules 1-3 make the gradients those of the plan for this very graph; rule 4 makes refusals immediate.
+from ._types import GraphCounts
 
 
 class Router:
@@ -124,12 +94,6 @@ class Router:
             autotune=autotune,
             static_graph=static_graph,
         )
-        self._tuner = None if routing.autotune is None else Tuner(routing.autotune, _CHECKPOINTS)
-        self._static = StaticGraph(routing.static_every) if routing.static_every else None
-        self._cache = PlanCache(size=8 if self._tuner is None else 16)  # every candidate's program of two call shapes
-        self._lock = threading.Lock()  # one thread plans at a time (the cache and the tuner's state)
-        self._walked = self._followed = self._plain = 0
-        self._merged: dict[tuple[str, ...], tuple] = {}  # the parameters of groups routed one loss (``_losses``)
         self._accelerator, self._stepper = make_stepper(
             self._groups,
             scaler=scaler,
@@ -138,8 +102,7 @@ class Router:
             atomic_step=atomic_step,
             accelerator=accelerator,
         )
-        # the groups whose parameters FSDP2 may have sharded: only theirs are looked up on every backward
-        self._sharded = {name for name, group in self._groups.items() if has_dtensor(group.params)}
+        self._run = Routing(self._groups, routing, self._stepper.distributed)
 
     # ------------------------------------------------------------------ public API
 
@@ -156,7 +119,7 @@ class Router:
     @property
     def autotuning(self) -> bool:
         """Whether the plans of some graph seen are still being measured (the next backward may be a trial)."""
-        return self._tuner is not None and self._tuner.measuring
+        return self._run.measuring
 
     @property
     def groups(self) -> Mapping[str, Group]:
@@ -166,7 +129,7 @@ class Router:
     @property
     def graph_counts(self) -> GraphCounts:
         """How this router's routed backwards met their graphs so far (:class:`gradroute.GraphCounts`)."""
-        return GraphCounts(walked=self._walked, followed=self._followed, planned=self._cache.misses, plain=self._plain)
+        return self._run.counts()
 
     def backward(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> None:
         """Accumulate each loss's gradient into its own group's ``.grad`` (exact, one forward, no retain).
@@ -190,16 +153,9 @@ class Router:
                 by an earlier backward; every ``.grad`` is then as it was.
         """
         check_backward(self._accelerator, self._stepper.accumulate)
-        original = self._routes(losses, named_losses, "backward")
+        original = self._run.routes(losses, named_losses, "backward")
         routes = self._stepper.before_backward(original)
-        merged = routes if self._sharded else merge_same_losses(original, routes, self._merged)
-        if runs_plain(merged, distributed=self._stepper.distributed()):  # NOTE [One plain call without a walk]
-            unreached_group = run_plain(merged[0], self._routing.allow_unreached)
-            if unreached_group is not None:
-                raise ValueError(unreached_message(unreached_group, self._groups))
-            self._plain += 1
-        else:
-            self._route(merged, accumulate=True)
+        self._run.backward(original, routes)
         self._stepper.after_backward(routes)
 
     def grads(
@@ -211,19 +167,11 @@ class Router:
             ``group name -> tuple`` of ``d loss / d p`` for the group's parameters in order (``None`` for a
             parameter the loss does not reach). No scaling is applied.
         """
-        routes = self._routes(losses, named_losses, "grads")
-        collected = self._route(routes, accumulate=False)
-        return {r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)}
+        return self._run.grads(self._run.routes(losses, named_losses, "grads"))
 
     def plan(self, losses: Mapping[str, LossLike] | None = None, /, **named_losses: LossLike) -> Plan:
         """What :meth:`backward` would do with these losses; nothing is run. ``print(plan)`` shows a table."""
-        routes = self._routes(losses, named_losses, "plan")
-        routes = routes if self._sharded else merge_same_losses(routes, routes, self._merged)
-        with self._lock:
-            program, _ = self._program(routes, merge_shared=True)
-        named = {name for r in routes for name, _ in r.parts} | {r.name for r in routes}
-        others = {n: g.params for n, g in self._groups.items() if n not in named}
-        return router_plan(program, others, cache=self._cache if self._static is None else None, tuner=self._tuner)
+        return self._run.plan(self._run.routes(losses, named_losses, "plan"))
 
     def step(self) -> StepStats:
         """Close a micro-batch; on every ``accumulate``-th call, step every group's optimizer and scheduler.
@@ -301,84 +249,6 @@ class Router:
         parts = [f"{n}={len(g.params)} params" for n, g in self._groups.items()]
         return f"Router({', '.join(parts)})"
 
-    # ------------------------------------------------------------------ internals
-
-    def _routes(self, losses: Mapping[str, LossLike] | None, named: Mapping[str, LossLike], what: str) -> list[Route]:
-        """The checked losses of a call as routes into their groups' parameters (FSDP2's unsharded ones)."""
-        routes = []
-        for name, tensors in checked_losses(losses, named, what, self._groups).items():
-            params = self._groups[name].params
-            params = live_params(params) if name in self._sharded else params
-            routes.append(Route(name=name, losses=tensors, params=params))
-        return routes
-
-    def _route(self, routes: list[Route], *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
-        """Plan and run ``routes`` (:meth:`backward` accumulates and merges shared routes; :meth:`grads` collects
-        each route's own gradients); a freed graph is refused with every ``.grad`` as it was (NOTE [Undoing a failed
-        routed backward])."""
-        # a backward whose writes can be undone needs no freed probe (NOTE [Undoing a failed routed backward])
-        undo = accumulate and not self._sharded and not self._stepper.distributed() and undoable(routes)
-        with self._lock:
-            program, trial = self._program(
-                routes, merge_shared=accumulate, backward=True, probe=accumulate and not undo
-            )
-            followed = program.graph.followed
-        with trial:
-            try:
-                return execute(
-                    program,
-                    accumulate=accumulate,
-                    remake_min_bytes=program.options.remake_min_bytes,
-                    watch=_checkpoint.maybe_live(),
-                    undo=undo,
-                )
-            except Exception as e:
-                if followed and self._static is not None:  # the next backward walks; name the cause
-                    self._static.recheck()
-                    refuse_reentrant_after(routes, e)
-                raise
-
-    def _program(
-        self, routes: list[Route], *, merge_shared: bool, backward: bool = False, probe: bool = True
-    ) -> tuple[Program, Any]:
-        """The program for ``routes`` and the context to run it in (a trial of the measured choice, or nothing);
-        ``backward``: for a routed backward (may follow a static graph's paths), not a :meth:`plan`; ``probe``:
-        look for freed nodes while walking. Called with ``_lock`` held."""
-        # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
-        # them: keep each pass through it in one call
-        fsdp2 = bool(self._sharded) and fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
-        options = dataclasses.replace(self._routing.plan, interleave=False) if fsdp2 else self._routing.plan
-        # a static graph is followed once nothing is being measured, and never under DDP or FSDP2 (their hooks
-        # expect the plan's parameters): NOTE [Static graphs] in _planner/follow.py
-        follow = backward and not (self._sharded or self._stepper.distributed() or self.autotuning)
-        static = self._static if follow else None
-
-        def make(options: PlanOptions, graph: Any = None) -> Program:
-            return build(
-                routes,
-                merge_shared=merge_shared,
-                options=options,
-                cache=self._cache,
-                checkpoints=_CHECKPOINTS,
-                graph=graph,
-                static=static,
-                backward=backward,
-                probe=probe,
-            )
-
-        if self._tuner is None:
-            program, trial = make(options), _NOTHING
-        else:
-            shape = call_shape(routes, merge_shared=merge_shared, options=options)
-            program, trial = self._tuner.program(shape, options, routes, make, measure=backward)
-        if backward:
-            if program.graph.followed:
-                self._followed += 1
-            else:
-                self._walked += 1
-        check_walked(program, self._groups, self._routing.allow_unreached)
-        return program, trial
-
 
 def _own_group(name: Any, spec: GroupLike) -> Group:
     """Group ``name`` of the router: its own copy of a caller's Group (which is never changed: a Group may be in
@@ -388,6 +258,3 @@ def _own_group(name: Any, spec: GroupLike) -> Group:
     group = copy.copy(spec) if isinstance(spec, Group) else Group(spec, name=name)
     group.name = name
     return group
-
-
-_NOTHING = contextlib.nullcontext()

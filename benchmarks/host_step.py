@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
+from _processes import outputs
 
 from gradroute.cli.bench.runner import Runner
 from gradroute.cli.choices import CKPT_STRATEGIES
@@ -89,14 +88,9 @@ def main() -> None:
 
 def _over_processes(n: int) -> None:
     """Run this script ``n`` times (the other arguments passed on); print each strategy's median ratio and range."""
-    argv = sys.argv[1:]
-    if "--processes" in argv:  # "--processes N": its value goes too
-        k = argv.index("--processes")
-        argv = argv[:k] + argv[k + 2 :]
-    argv = [a for a in argv if not a.startswith("--processes=")]
+    runs, argv = outputs(n, __file__)
     ratios: dict[str, list[float]] = {}
-    for _ in range(n):
-        out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True).stdout
+    for out in runs:
         for line in out.splitlines():
             cells = [c.strip() for c in line.strip("|").split("|")]
             if line.startswith("| ") and len(cells) == 3 and cells[0] != "strategy":

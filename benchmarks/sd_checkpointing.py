@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
 import diffusers
 import torch
 import transformers
+from _processes import outputs
 from torch import nn
 
 import gradroute
@@ -139,13 +138,8 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=1)
     args = p.parse_args()
     if args.processes > 1:
-        argv = list(sys.argv[1:])
-        k = argv.index("--processes")
-        del argv[k : k + 2]
-        runs = []
-        for _ in range(args.processes):
-            out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True).stdout
-            runs.append(dict(kv.split("=") for kv in out.split()[1:]))
+        outs, _ = outputs(args.processes, __file__)
+        runs = [dict(kv.split("=") for kv in out.split()[1:]) for out in outs]
         print(f"{args.processes} processes, size {args.size}, batch {args.batch_size}; median ratio to plain:")
         for n in VARIANTS:
             values = [float(r[n]) for r in runs]

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
+from _processes import outputs
 
 import gradroute
 from gradroute.cli.bench.loops import SETUP, Loop, make_loop
@@ -108,13 +107,8 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=1)
     args = p.parse_args()
     if args.processes > 1:
-        argv = list(sys.argv[1:])
-        k = argv.index("--processes")
-        del argv[k : k + 2]
-        ratios = []
-        for _ in range(args.processes):
-            out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True).stdout
-            ratios.append(float(out.split("ratio ")[1].split()[0]))
+        runs, _ = outputs(args.processes, __file__)
+        ratios = [float(out.split("ratio ")[1].split()[0]) for out in runs]
         print(
             f"{args.processes} processes, {args.workload} width {args.width} batch {args.batch_size}: routed / hand "
             f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import gradroute
@@ -121,18 +123,22 @@ def _step_losses(kind: str, tenc: nn.Module, unet: nn.Module, head: nn.Module, k
     hidden = tenc(x)
     if kind == "outside":  # a module in no group requires grad: a plain backward would write it, routing must not
         hidden = hidden + head(x)
+    if kind == "detached":  # a stray detach: the loss reaches none of the text encoder
+        hidden = hidden.detach()
     if kind == "late_branch":  # a second path from the text encoder into the loss, from this step on
         return (unet(hidden) - target).pow(2).mean() + hidden.pow(2).mean()
     return (unet(hidden) - target).pow(2).mean()
 
 
-@pytest.mark.parametrize("order", ["forward", "reversed"])
-def test_same_loss_sequence_of_changing_graphs_exact(order):
+_WALKED = ("frozen", "accumulate", "hooked")  # a parameter frozen since the forward, a .grad to add to, a hook
+
+
+def _same_loss_sequence(kinds: list[str]) -> None:
+    """Route one loss to both groups on each step of ``kinds``, every step against per-loss references."""
     tenc, unet, head = _nets()
-    kinds = _STEPS if order == "forward" else _STEPS[::-1]
     groups = {"tenc": list(tenc.parameters()), "unet": list(unet.parameters())}
     router = gradroute.Router(groups)
-    plain_expected = 0
+    plain_expected = walked_expected = 0
     for k, kind in enumerate(kinds):
         tenc[0].bias.requires_grad_(kind != "frozen")
         tied = {"tenc": [*groups["tenc"], unet[0].weight], "unet": groups["unet"]} if kind == "tied" else groups
@@ -154,17 +160,34 @@ def test_same_loss_sequence_of_changing_graphs_exact(order):
                     p.grad = before[id(p)].clone()
             expected = {i: g + before[i] for i, g in expected.items()}
         losses = forward()
+        if kind == "detached":  # the loss reaches none of the text encoder: refused, nothing run
+            with pytest.raises(ValueError, match=r"loss for group `tenc` reaches none"):
+                r.backward(**losses)
+            assert all(p.grad is None for ps in live.values() for p in ps)
+            losses["unet"].backward()  # the graph is still whole
+            continue
         r.backward(**losses)
         if handle is not None:
             handle.remove()
-        if r is router and kind not in ("frozen", "accumulate", "hooked"):
-            plain_expected += 1
+        if r is router:
+            walked_expected += kind in _WALKED
+            plain_expected += kind not in _WALKED
         assert_grads_match([p for ps in live.values() for p in ps], expected, rtol=0, atol=0)
         assert all(p.grad is None for p in head.parameters()), kind
         assert tenc[0].bias.grad is None or kind != "frozen"
-    tenc[0].bias.requires_grad_(True)
     assert router.graph_counts.plain == plain_expected
-    assert router.graph_counts.walked == sum(1 for kind in kinds if kind in ("frozen", "accumulate", "hooked"))
+    assert router.graph_counts.walked == walked_expected
+
+
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+def test_same_loss_sequence_of_changing_graphs_exact(order):
+    _same_loss_sequence(_STEPS if order == "forward" else _STEPS[::-1])
+
+
+@settings(max_examples=20, derandomize=True, deadline=None)
+@given(st.lists(st.sampled_from([*_STEPS, "detached"]), min_size=3, max_size=10))
+def test_same_loss_generated_sequences_exact(kinds):
+    _same_loss_sequence(kinds)
 
 
 @pytest.mark.parametrize("failure", ["freed", "hook"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 
@@ -22,3 +23,11 @@ def outputs(n: int, script: str) -> tuple[list[str], list[str]]:
         for _ in range(n)
     ]
     return runs, argv
+
+
+def ratio_summary(n: int, script: str) -> str:
+    """Run ``script`` ``n`` times (:func:`outputs`) and summarise the ``ratio X`` each run prints: the median and
+    the range, as ``"median M (range LO-HI)"``."""
+    runs, _ = outputs(n, script)
+    ratios = [float(out.split("ratio ")[1].split()[0]) for out in runs]
+    return f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})"

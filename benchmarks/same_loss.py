@@ -14,7 +14,7 @@ import statistics
 import time
 
 import torch
-from _processes import outputs
+from _processes import ratio_summary
 
 import gradroute
 from gradroute.cli.workloads import build
@@ -29,12 +29,8 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=1)
     args = p.parse_args()
     if args.processes > 1:
-        runs, _ = outputs(args.processes, __file__)
-        ratios = [float(out.split("ratio ")[1].split()[0]) for out in runs]
-        print(
-            f"{args.processes} processes: routed / plain median {statistics.median(ratios):.3f} "
-            f"(range {min(ratios):.3f}-{max(ratios):.3f}); width {args.width}, batch {args.batch_size}"
-        )
+        summary = ratio_summary(args.processes, __file__)
+        print(f"{args.processes} processes: routed / plain {summary}; width {args.width}, batch {args.batch_size}")
         return
     torch.set_num_threads(1)
     wl = build("sd-tiny", batch_size=args.batch_size, width=args.width)

@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch
-from _processes import outputs
+from _processes import ratio_summary
 
 import gradroute
 from gradroute.cli.bench.loops import SETUP, Loop, make_loop
@@ -107,12 +107,9 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=1)
     args = p.parse_args()
     if args.processes > 1:
-        runs, _ = outputs(args.processes, __file__)
-        ratios = [float(out.split("ratio ")[1].split()[0]) for out in runs]
-        print(
-            f"{args.processes} processes, {args.workload} width {args.width} batch {args.batch_size}: routed / hand "
-            f"median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})"
-        )
+        summary = ratio_summary(args.processes, __file__)
+        shape = f"{args.workload} width {args.width} batch {args.batch_size}"
+        print(f"{args.processes} processes, {shape}: routed / hand {summary}")
         return
     run_once(args)
 

@@ -183,10 +183,23 @@ def execute(
             return _run(program, accumulate)
     except BaseException:
         if undo:
-            for r in program.routes:
-                for p in r.params:
-                    p.grad = None
+            undo_writes(program.routes)
         raise
+
+
+def undo_writes(routes: Sequence[Route]) -> None:
+    """Put None back into every routed parameter's ``.grad``: the undo of a failed backward that ``undoable``
+    allowed."""
+    for r in routes:
+        for p in r.params:
+            p.grad = None
+
+
+def refuse_freed(error: BaseException, groups: Sequence[str]) -> None:
+    """Raise :class:`GraphFreedError` (for the losses routed to ``groups``) from ``error`` where it is the
+    engine's report of a freed graph; otherwise return."""
+    if isinstance(error, RuntimeError) and _FREED in str(error):
+        raise GraphFreedError(freed_message(groups)) from error
 
 
 def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
@@ -224,9 +237,7 @@ def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
                     run_engine(outputs, grad_outputs, call.retain, [*edges_out, *targets], accumulate=False)
                 )
             except RuntimeError as e:
-                if _FREED in str(e):
-                    names = group_names([r for r in program.routes if r.name in call.groups])
-                    raise GraphFreedError(freed_message(names)) from e
+                refuse_freed(e, group_names([r for r in program.routes if r.name in call.groups]))
                 raise
         finally:
             handoff.close()

@@ -9,7 +9,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ._compat import engine_will_execute
-from ._execute import _FREED, GraphFreedError, freed_message, run_engine, undoable
+from ._execute import refuse_freed, run_engine, undo_writes, undoable
 from ._types import Route
 
 # NOTE [One plain call without a walk]
@@ -25,7 +25,7 @@ from ._types import Route
 #      execute (the walk's "reaches none of its parameters") is refused from a pre-hook of the node the call
 #      starts from, which runs before any node of the call (the engine raises before the node frees anything),
 #      so the graph and every ``.grad`` are as they were; a freed node raises in the engine and is undone (2).
-# Any other backward walks (NOTE [Exact by default] in _router.py).
+# Any other backward walks (NOTE [Exact by default] in _routing.py, whose rule 5 this is).
 
 
 _requires_grad = operator.attrgetter("requires_grad")
@@ -52,10 +52,8 @@ def run_plain(route: Route, allowed: Collection[str]) -> str | None:
     except _Unreached as e:
         return e.group
     except BaseException as e:
-        for p in route.params:
-            p.grad = None
-        if isinstance(e, RuntimeError) and _FREED in str(e):
-            raise GraphFreedError(freed_message([n for n, _ in route.parts])) from e
+        undo_writes([route])
+        refuse_freed(e, [n for n, _ in route.parts])
         raise
     finally:
         for h in handles:

@@ -1,5 +1,5 @@
 """What a routed call refuses once its graph is walked or followed, before the first engine call (NOTE [Exact by
-default] rule 4, in ``_router.py``): a freed graph, named by the losses that reach the freed node; a loss that
+default] rule 4, in ``_routing.py``): a freed graph, named by the losses that reach the freed node; a loss that
 reaches none of its group's parameters; after a failed backward that followed paths, a reentrant checkpoint
 segment there."""
 

@@ -1,10 +1,12 @@
 """One loss routed to both groups (DreamBooth without prior preservation) against one plain backward, in CPU time.
 
-    python benchmarks/same_loss.py [--width 8 --batch-size 1] [--steps 60] [--processes 5]
+    python benchmarks/same_loss.py [--width 8 --batch-size 1] [--steps 60] [--processes 5] [--inputs]
 
 sd-tiny's text encoder -> UNet, the UNet's loss routed to both groups (``router.backward(tenc=loss, unet=loss)``),
 interleaved step by step with ``loss.backward()`` (forward included in both, CPU time of the calling thread, one
 torch thread). Prints the medians and the ratio; ``--processes N``: the median ratio over N processes.
+``--inputs``: the reference is ``loss.backward(inputs=<both groups' parameters>)`` instead, the floor of any
+backward that writes the groups' parameters only (the engine then marks the nodes leading to them).
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--processes", type=int, default=1)
+    p.add_argument("--inputs", action="store_true")
     args = p.parse_args()
     if args.processes > 1:
         summary = ratio_summary(args.processes, __file__)
-        print(f"{args.processes} processes: routed / plain {summary}; width {args.width}, batch {args.batch_size}")
+        reference = "plain with inputs=" if args.inputs else "plain"
+        shape = f"width {args.width}, batch {args.batch_size}"
+        print(f"{args.processes} processes: routed / {reference} {summary}; {shape}")
         return
     torch.set_num_threads(1)
     wl = build("sd-tiny", batch_size=args.batch_size, width=args.width)
@@ -39,7 +44,7 @@ def main() -> None:
 
     def plain() -> None:
         _, losses = wl.forward()
-        losses[wl.down_name].backward()
+        losses[wl.down_name].backward(inputs=params if args.inputs else None)
 
     def routed() -> None:
         _, losses = wl.forward()

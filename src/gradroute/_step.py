@@ -62,10 +62,6 @@ class _Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
 class GroupStats:
     """What one :meth:`Router.step` did to one group.
 

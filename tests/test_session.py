@@ -113,10 +113,10 @@ def test_engine_threads_find_the_routed_call_by_graph_task() -> None:
 
 
 def test_engine_threads_are_not_watched_without_a_live_segment() -> None:
-    """No gradroute.checkpoint segment alive anywhere: nothing would ask, so the engine calls carry no pre-hooks
-    for it (a host cost per call); the calling thread still knows its session."""
+    """No gradroute.checkpoint segment alive anywhere: nothing would ask, so no session is opened at all, neither
+    the engine calls' pre-hooks nor the calling thread's record (a host cost per backward)."""
     gc.collect()  # segments of earlier tests
     assert not _checkpoint.maybe_live(), "a segment of an earlier test is still alive"
     seen = _device_thread_sessions(segment=False)
     assert len(seen) > 4
-    assert all(found is None and local is not None for found, local in seen)
+    assert all(found is None and local is None for found, local in seen)

@@ -158,27 +158,26 @@ def execute(
         program: what ``_planner.build`` returned.
         accumulate: add into ``.grad`` (``Router.backward``); otherwise collect (``Router.grads``).
         remake_min_bytes: :attr:`gradroute.PlanOptions.remake_min_bytes`, for ``gradroute.checkpoint``.
-        watch: let autograd's device threads recognise this routed backward (``_session.Session.watch``: a
-            pre-hook on every node an engine call starts from). Only ``gradroute.checkpoint``'s unpacks ask
-            (the calling thread knows it without): the router passes False while no segment is alive.
+        watch: whether a ``gradroute.checkpoint`` segment may be alive (``_checkpoint.maybe_live``): only its
+            unpacks ask for the routed backward's session (``_session``), so without one none is opened. With
+            one, autograd's device threads recognise this routed backward by a pre-hook on every node an engine
+            call starts from (``_session.Session.watch``; the calling thread knows it without).
         undo: every routed parameter's ``.grad`` was None (``undoable``): if anything raises, they are set
             back to None before it propagates.
 
     Returns:
         With ``accumulate=False``: per route, ``id(param) -> gradient``. Otherwise empty dicts.
     """
-    nodes = program.graph.nodes
-    per_call = {nodes[i] for i in program.planned.per_call}
-    # the nodes the engine calls start from: how autograd's device threads recognise this routed backward
-    starts = (
-        [
+    try:
+        if not watch:  # no gradroute.checkpoint segment is alive: nothing asks for the session
+            return _run(program, accumulate)
+        nodes = program.graph.nodes
+        per_call = {nodes[i] for i in program.planned.per_call}
+        # the nodes the engine calls start from: how autograd's device threads recognise this routed backward
+        starts = [
             *(t.grad_fn for r in program.routes for t in r.losses),
             *(nodes[j] for call in program.plan.calls for j, _ in call.wiring.edges_in),
         ]
-        if watch
-        else []
-    )
-    try:
         with routed_backward(remake_min_bytes, recompute_per_call=per_call, starts=starts):
             return _run(program, accumulate)
     except BaseException:

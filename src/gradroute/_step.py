@@ -384,7 +384,7 @@ class Stepper:
             with_grad = {name: [p for p in g.params if p.grad is not None] for name, g in active.items()}
             norms = {name: _total_norm([p.grad for p in ps]) for name, ps in with_grad.items()}
             if not self._scaling and self.skip_nonfinite:
-                found_inf = {name: ~torch.isfinite(norms[name]) for name in active}
+                found_inf = {name: _nonfinite(norms[name]) for name in active}
             lrs = {name: _lrs(g) for name, g in self.groups.items()}  # the learning rates this step uses
         except BaseException:
             if exact:
@@ -589,6 +589,13 @@ def _lrs(g: Group) -> tuple[Any, ...]:
 
 def _group_stats(g: Group, loss: float | None, norm: float | None, *, skipped: bool) -> GroupStats:
     return GroupStats(loss=loss, grad_norm=norm, lrs=_lrs(g), skipped=skipped)
+
+
+def _nonfinite(norm: torch.Tensor) -> torch.Tensor:
+    """1 where ``norm`` is inf or NaN, else 0, in ``norm``'s dtype (float32 norms give what a fused optimizer's
+    ``found_inf`` takes as it is): ``inf * 0`` and ``NaN * 0`` are NaN, which is the only value unequal to 0
+    here. Two kernels (``isfinite``, ``logical_not`` and a cast to float32 are three)."""
+    return norm.mul(0).ne_(0)
 
 
 def _step_on_device(opt: Any, found_inf: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import gradroute
-from gradroute import _compat, _session
+from gradroute import _compat
 from gradroute._checkpoint import checkpoint_kind
 from gradroute._checkpoint._registry import this_thread
 
@@ -42,10 +42,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = torch.tanh(self.lin1(x))
         h = nn.functional.dropout(a, self.p, training=True)
-        if _session.current() is not None:  # only recomputations run inside a routed backward
+        if _compat.current_graph_task_id() != -1:  # a forward inside an engine call is a recomputation
             self.recomputed += 1
-        if _compat.current_graph_task_id() != -1:  # a recomputation: keep an eye on two saved tensors
-            self.storages += [StorageWeakRef(t.untyped_storage()) for t in (a, h)]
+            self.storages += [StorageWeakRef(t.untyped_storage()) for t in (a, h)]  # keep an eye on two
         return x + self.lin2(h)
 
 
@@ -138,7 +137,7 @@ def counting(ck: CK, counts: dict[str, list[int]]) -> CK:
         counts[side].append(0)
 
         def counted(*a: Any, **k: Any) -> Any:
-            if _session.current() is not None:
+            if _compat.current_graph_task_id() != -1:  # inside an engine call: a recomputation
                 counts[side][slot] += 1
             return fn(*a, **k)
 

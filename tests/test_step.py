@@ -473,6 +473,36 @@ def test_nonfinite_gradient_without_scaler_skips_only_that_group(max_norm: float
     assert all(p.grad is None for grp in router.groups.values() for p in grp.params)
 
 
+def _fused_nonfinite_run(bad: float, dtype: torch.dtype) -> gradroute.Router:
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3).to(dtype), nn.Linear(3, 3).to(dtype)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, fused=True) for m in (a, b)]
+    router = gradroute.Router(a=gradroute.Group(a, optimizer=opts[0]), b=gradroute.Group(b, optimizer=opts[1]))
+    x = torch.randn(2, 3, dtype=dtype)
+    router.backward(a=a(x).sum(), b=b(x).sum())
+    router.step()  # AdamW state exists
+    router.backward(a=a(torch.tensor([[bad, 1.0, 1.0]], dtype=dtype)).sum(), b=b(x).sum())
+    return router
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_nonfinite_gradient_skips_a_fused_optimizer_on_the_device(bad: float, dtype: torch.dtype) -> None:
+    """The skip that fused optimizers take from ``found_inf``, without a host sync: the group with inf/NaN
+    gradients keeps its parameters and its whole AdamW state (step counts too); the other steps as alone."""
+    router, ref = _fused_nonfinite_run(bad, dtype), _fused_nonfinite_run(bad, dtype)
+    before = whole_state(router)
+    stats = router.step()
+    assert (stats["a"].skipped, stats["a"].skip_reason) == (True, "nonfinite")
+    assert (stats["b"].skipped, stats["b"].skip_reason) == (False, None)
+    after = whole_state(router)
+    for key in ("params", "optimizer"):
+        assert_same(before["a"][key], after["a"][key])
+    ref.groups["b"].optimizer.step()
+    for p, q in zip(router.groups["b"].params, ref.groups["b"].params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("max_norm", [None, 1.0])
 def test_skip_nonfinite_false_keeps_torchs_behaviour(max_norm: float | None) -> None:
     router, _ = _nonfinite_run(False, max_norm)

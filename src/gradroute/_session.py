@@ -12,7 +12,9 @@ autograd's device threads (CUDA work), which inherit nothing from the caller, ne
    node of an engine call runs after the node it starts from). Graph task ids are unique in the process.
    Saved-tensor unpacks, which is what ``gradroute.checkpoint`` does, run inside the nodes and so always after
    that record (a tensor hook on a start node's tensor may run before it on a device thread).
-3. The entries are dropped when the routed call returns or raises, and nothing is a process-wide "current":
+3. Only those unpacks ask, so a routed backward opens no session while no ``gradroute.checkpoint`` segment is
+   alive anywhere (``_checkpoint.maybe_live``): no placeholder exists then, so no unpack can run in it.
+4. The entries are dropped when the routed call returns or raises, and nothing is a process-wide "current":
    concurrent ``Router.backward`` calls from several threads each see their own session, and a plain backward
    in another thread sees none.
 """

@@ -230,3 +230,44 @@ def test_run_engine_matches_torch_with_and_without_the_engine_entry(entry: str, 
         got = (w1.grad, w2.grad)
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("penalty", [False, True])
+@pytest.mark.parametrize("hooks", [False, True])
+def test_boundaries_of_one_shape_keep_their_gradients_apart_over_steps_of_new_shapes(
+    hooks: bool, penalty: bool
+) -> None:
+    # two boundaries of the same shape are handed off in one engine call (both encoders' pass is cut at each),
+    # their zero placeholders are shared, and every step has another batch size (more shapes than are kept);
+    # two routers take turns. With ``penalty``, a second text-encoder loss on one boundary starts in that same
+    # call, so the boundary's node also receives a gradient of its own there. Each step against the per-loss
+    # references, with hooks that scale differently.
+    enc_a, enc_b = nn.Linear(4, 4).to(D), nn.Linear(4, 4).to(D)
+    dec_a, dec_b = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).to(D), nn.Sequential(nn.Linear(4, 4), nn.Tanh()).to(D)
+    grouped = {
+        "tenc": [*enc_a.parameters(), *enc_b.parameters()],
+        "unet": [*dec_a.parameters(), *dec_b.parameters()],
+    }
+    params = [*grouped["tenc"], *grouped["unet"]]
+    routers = [gradroute.Router(grouped, autotune=False), gradroute.Router(grouped, autotune=False)]
+    for step in range(70):
+        x = torch.randn(1 + step, 4, dtype=D)
+        mask = (torch.rand(1 + step, 4) > 0.5).to(D)
+
+        def forward(x: torch.Tensor = x, mask: torch.Tensor = mask) -> dict[str, torch.Tensor]:
+            a, b = enc_a(x), enc_b(x)
+            if hooks:
+                a.register_hook(lambda g: 2 * g)
+                b.register_hook(lambda g: -g)
+            loss = (dec_a(a) * dec_b(b) - 1) ** 2
+            tenc = [loss.mean(), a.pow(2).mean()] if penalty else loss.mean()
+            return {"tenc": tenc, "unet": (loss * mask).mean()}
+
+        expected = reference_grads(forward, grouped)
+        router = routers[step % 2]
+        if step == 0:
+            assert max(c.edges_in for c in router.plan(**forward()).calls) == 2  # the case this test is about
+        router.backward(**forward())
+        assert_grads_match(params, expected)
+        for p in params:
+            p.grad = None

@@ -13,7 +13,7 @@ from torch.autograd.graph import GradientEdge, Node
 from ._compat import backward_hooks, engine_run_backward, grad_and_hooks_names
 from ._losses import group_names
 from ._options import PlanOptions
-from ._planner import Program
+from ._planner import Call, Program
 from ._session import routed_backward
 from ._types import Route
 
@@ -63,14 +63,38 @@ class _Handoff:
     Pre-hooks run after the node's tensor hooks (``Tensor.register_hook``), so those see the placeholder, not the
     gradient again: they already ran on it when the earlier call captured it at this edge. A hook's return
     value is kept (it is added to the gradient), so a hook that scales or negates its input stays exact.
+
+    NOTE [Hand-off hooks and placeholders made ahead]
+    Right after an engine call the interpreter's and the dispatcher's memory is cold, and the first hook
+    registration or tensor op there costs several times what it costs warm; so ``_run`` installs the pre-hooks
+    of every node a call starts from before its first engine call (``install``), and placeholders are kept per
+    shape (``placeholder``). Both are exact:
+      1. A pre-hook whose slot is empty returns None: the node's inputs are left as they are. Installed
+         early, it is empty in every call before the hand-off (the node may be captured or even run there).
+      2. A placeholder reaches only the node of its root edge, and that node's pre-hook replaces it (or adds
+         the real gradient to a sum that holds it) before the node runs; so it never travels further, and one
+         tensor can stand for every slot of its shape, in any call, thread or router (each hook compares only
+         the input of its own slot with it).
+      3. A placeholder is an expanded 0-d zero, never written: the engine adds into an input buffer in place
+         only when that buffer is no view, and ``AccumulateGrad`` steals only a gradient that obeys the
+         parameter's layout (an expanded view does not); a shared one is, besides, referenced by the cache.
     """
 
-    # the placeholders' 0-d zeros, per dtype and device: never written (only expanded views reach the engine)
-    zeros: ClassVar[dict[tuple[torch.dtype, torch.device], torch.Tensor]] = {}
+    # placeholders per (shape, dtype, device): expanded views of one 0-d zero (no memory); bounded
+    placeholders: ClassVar[dict[tuple[torch.Size, torch.dtype, torch.device], torch.Tensor]] = {}
+    limit: ClassVar[int] = 64
 
     def __init__(self) -> None:
         self.slots: dict[Node, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.handles: list[Any] = []
+
+    def install(self, node: Node) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The slots of ``node``, with its pre-hook registered on first use (rule 1)."""
+        slot = self.slots.get(node)
+        if slot is None:
+            slot = self.slots[node] = {}
+            self.handles.append(node.register_prehook(_swap_in(slot)))
+        return slot
 
     def hand_off(self, node: Node, nr: int, grads: list[torch.Tensor | None], i: int) -> torch.Tensor:
         """Move ``grads[i]`` (set to None there) into the slot of input ``nr`` of ``node``; returns the placeholder
@@ -78,16 +102,25 @@ class _Handoff:
         g, grads[i] = grads[i], None
         if g is None:
             raise TypeError("no gradient to hand off")  # unreachable: callers check
-        zero = self.zeros.get((g.dtype, g.device))
-        if zero is None:
-            zero = self.zeros[g.dtype, g.device] = torch.zeros((), dtype=g.dtype, device=g.device)
-        placeholder = zero.expand(g.shape)  # a view of its own: the hook tells the slots apart by identity
-        slot = self.slots.get(node)
-        if slot is None:
-            slot = self.slots[node] = {}
-            self.handles.append(node.register_prehook(_swap_in(slot)))
-        slot[nr] = (g, placeholder)
+        placeholder = self.placeholder(g)
+        self.install(node)[nr] = (g, placeholder)
         return placeholder
+
+    @classmethod
+    def placeholder(cls, g: torch.Tensor) -> torch.Tensor:
+        """A zero tensor of ``g``'s shape, dtype and device that holds no memory (rules 2-3)."""
+        key = (g.shape, g.dtype, g.device)
+        out = cls.placeholders.get(key)
+        if out is None:
+            if len(cls.placeholders) >= cls.limit:
+                cls.placeholders.clear()
+            out = cls.placeholders[key] = torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+        return out
+
+    def empty(self) -> None:
+        """Drop what a call left in the slots (a start its engine call never ran): nothing is swapped in later."""
+        for slot in self.slots.values():
+            slot.clear()
 
     def close(self) -> None:
         for h in self.handles:
@@ -97,7 +130,9 @@ class _Handoff:
 
 
 def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...] | None:
+        if not slot:  # installed ahead, or already swapped in (rule 1)
+            return None
         out = list(grad_outputs)
         for nr, (g, placeholder) in slot.items():
             got = out[nr]
@@ -202,55 +237,77 @@ def refuse_freed(error: BaseException, groups: Sequence[str]) -> None:
 
 
 def _run(program: Program, accumulate: bool) -> list[dict[int, torch.Tensor]]:
-    nodes, leaf = program.graph.nodes, program.graph.leaf
+    nodes = program.graph.nodes
     carried: dict[tuple[int, int, int], torch.Tensor] = {}  # (pass, node, input slot) -> captured gradient
     collected: list[dict[int, torch.Tensor]] = [{} for _ in program.routes]
-    for c, call in enumerate(program.plan.calls):
-        w = call.wiring
-        outputs: list[torch.Tensor | GradientEdge] = []
-        grad_outputs: list[torch.Tensor] = []
-        for r, k in w.losses:
-            t = program.routes[r].losses[k]
-            outputs.append(t)
-            grad_outputs.append(torch.ones_like(t))
-        targets = program.targets[c] if program.targets is not None else tuple(map(leaf.__getitem__, w.targets))
-        ids = w.targets
-        owners = w.target_routes if program.target_routes is None else program.target_routes[c]
-        if not all(map(_requires_grad, targets)):
-            targets, ids, owners = _frozen_since(targets, ids, owners)
-        handoff = _Handoff()
-        try:
-            for j, nr in w.edges_in:
-                grad: list[torch.Tensor | None] = [carried.pop((w.pass_index, j, nr), None)]
-                if grad[0] is not None:
-                    outputs.append(GradientEdge(nodes[j], nr))
-                    grad_outputs.append(handoff.hand_off(nodes[j], nr, grad, 0))
-            if not outputs or not (targets or w.edges_out):  # (no inputs: the engine would write every leaf)
-                continue
-            edges_out: list[torch.Tensor | GradientEdge] = [GradientEdge(nodes[j], nr) for j, nr in w.edges_out]
+    handoff = _Handoff()
+    try:
+        # before the first engine call: NOTE [Hand-off hooks and placeholders made ahead]
+        for call in program.plan.calls:
+            for j, _ in call.wiring.edges_in:
+                handoff.install(nodes[j])
+        for c, call in enumerate(program.plan.calls):
             try:
-                if accumulate and not edges_out:
-                    run_engine(outputs, grad_outputs, call.retain, targets, accumulate=True)
-                    continue
-                res: list[torch.Tensor | None] = list(
-                    run_engine(outputs, grad_outputs, call.retain, [*edges_out, *targets], accumulate=False)
-                )
-            except RuntimeError as e:
-                refuse_freed(e, group_names([r for r in program.routes if r.name in call.groups]))
-                raise
-        finally:
-            handoff.close()
-        for i, (j, nr) in enumerate(w.edges_out):
-            _add(carried, (w.pass_index, j, nr), _compact(res[i]))
-            res[i] = None
-        grads = res[len(edges_out) :]
-        del res  # the engine steals what nothing else references
-        if accumulate and targets:
-            _accumulate([nodes[j] for j in ids], targets, grads)
-        else:
-            for i, r in enumerate(owners):
-                _add(collected[r], id(targets[i]), grads[i])
+                _run_call(program, c, call, accumulate, carried, collected, handoff)
+            finally:
+                handoff.empty()
+    finally:
+        handoff.close()
     return collected
+
+
+def _run_call(
+    program: Program,
+    c: int,
+    call: Call,
+    accumulate: bool,
+    carried: dict[tuple[int, int, int], torch.Tensor],
+    collected: list[dict[int, torch.Tensor]],
+    handoff: _Handoff,
+) -> None:
+    """Call ``c`` of ``program``: start it from its losses and carried gradients, capture what later calls need."""
+    nodes, leaf = program.graph.nodes, program.graph.leaf
+    w = call.wiring
+    outputs: list[torch.Tensor | GradientEdge] = []
+    grad_outputs: list[torch.Tensor] = []
+    for r, k in w.losses:
+        t = program.routes[r].losses[k]
+        outputs.append(t)
+        grad_outputs.append(torch.ones_like(t))
+    targets = program.targets[c] if program.targets is not None else tuple(map(leaf.__getitem__, w.targets))
+    ids = w.targets
+    owners = w.target_routes if program.target_routes is None else program.target_routes[c]
+    if not all(map(_requires_grad, targets)):
+        targets, ids, owners = _frozen_since(targets, ids, owners)
+    for j, nr in w.edges_in:
+        grad: list[torch.Tensor | None] = [carried.pop((w.pass_index, j, nr), None)]
+        if grad[0] is not None:
+            outputs.append(GradientEdge(nodes[j], nr))
+            grad_outputs.append(handoff.hand_off(nodes[j], nr, grad, 0))
+    if not outputs or not (targets or w.edges_out):  # (no inputs: the engine would write every leaf)
+        return
+    edges_out: list[torch.Tensor | GradientEdge] = [GradientEdge(nodes[j], nr) for j, nr in w.edges_out]
+    try:
+        if accumulate and not edges_out:
+            run_engine(outputs, grad_outputs, call.retain, targets, accumulate=True)
+            return
+        res: list[torch.Tensor | None] = list(
+            run_engine(outputs, grad_outputs, call.retain, [*edges_out, *targets], accumulate=False)
+        )
+    except RuntimeError as e:
+        refuse_freed(e, group_names([r for r in program.routes if r.name in call.groups]))
+        raise
+    del outputs, grad_outputs
+    for i, (j, nr) in enumerate(w.edges_out):
+        _add(carried, (w.pass_index, j, nr), _compact(res[i]))
+        res[i] = None
+    grads = res[len(edges_out) :]
+    del res  # the engine steals what nothing else references
+    if accumulate and targets:
+        _accumulate([nodes[j] for j in ids], targets, grads)
+    else:
+        for i, r in enumerate(owners):
+            _add(collected[r], id(targets[i]), grads[i])
 
 
 _requires_grad = operator.attrgetter("requires_grad")

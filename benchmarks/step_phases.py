@@ -1,7 +1,7 @@
 """The whole training iteration of ``gradroute bench --step``, phase by phase, in CPU time.
 
     python benchmarks/step_phases.py [--workload sd-tiny|gan] [--width 8 --batch-size 1] [--steps 200]
-                                     [--processes 3] [--static-graph] [--keep-nonfinite]
+                                     [--processes 3] [--static-graph] [--keep-nonfinite] [--floor]
 
 The router's loop and the hand-written one (``gradroute.cli.bench.loops``: two fused AdamW, warmup+power
 schedulers, clipping at 1.0, no scaler in fp32) take turns iteration by iteration; each phase (forward, routed
@@ -9,6 +9,9 @@ backward, step with zero_grad) is timed in CPU time of the calling thread, one t
 processes do not inflate. Prints the medians per phase and the ratio of the iteration's summed medians;
 ``--processes N``: the median ratio over N processes. ``--keep-nonfinite``: the router with
 ``skip_nonfinite=False`` (torch's behaviour, as the hand-written loop: no inf/NaN check before the step).
+``--floor``: instead of the router, the least this design does: the graph walk, the plan cache and the
+executor's engine calls (gradroute internals), then the hand-written loop's step; no loss checks, statistics,
+undo, non-finite skip or DDP checks. What the router costs above it is its guarantees and bookkeeping.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ import torch
 from _processes import ratio_summary
 
 import gradroute
+from gradroute._execute import execute
+from gradroute._planner import PlanCache
+from gradroute._planner import build as build_program
+from gradroute._types import Route
 from gradroute.cli.bench.loops import SETUP, Loop, make_loop
 from gradroute.cli.workloads import build
 
@@ -37,6 +44,28 @@ def hand(loop: Loop) -> tuple[float, float, float, float]:
     h.backward(g_h, inputs=up)
     del g_h, loss_up, loss_down
     t2 = time.thread_time()
+    return t0, t1, t2, hand_step(loop)
+
+
+_CACHE = PlanCache(size=8)
+_PARAMS: dict[int, tuple[tuple[torch.Tensor, ...], ...]] = {}
+
+
+def floor(loop: Loop) -> tuple[float, float, float, float]:
+    """The walk, the cached plan and its engine calls (``--floor``), then the hand-written step."""
+    t0 = time.thread_time()
+    _, loss_up, loss_down = loop.forward()
+    t1 = time.thread_time()
+    up, down = _PARAMS.setdefault(id(loop), tuple(map(tuple, loop.params)))  # the same tuples every step
+    routes = [Route(name="up", losses=(loss_up,), params=up), Route(name="down", losses=(loss_down,), params=down)]
+    execute(build_program(routes, cache=_CACHE, probe=False), accumulate=True, watch=False)
+    del routes, loss_up, loss_down
+    t2 = time.thread_time()
+    return t0, t1, t2, hand_step(loop)
+
+
+def hand_step(loop: Loop) -> float:
+    """The hand-written loop's step (clipping, optimizers, schedulers, zero_grad); returns the time it ended."""
     for params in loop.params:
         torch.nn.utils.clip_grad_norm_(params, SETUP["max_grad_norm"])
     for opt in loop.optimizers:
@@ -45,7 +74,7 @@ def hand(loop: Loop) -> tuple[float, float, float, float]:
         sched.step()
     for opt in loop.optimizers:
         opt.zero_grad(set_to_none=True)
-    return t0, t1, t2, time.thread_time()
+    return time.thread_time()
 
 
 def routed(loop: Loop) -> tuple[float, float, float, float]:
@@ -79,7 +108,7 @@ def run_once(args: argparse.Namespace) -> float:
             for n, p, o, s in zip(names, loop.params, loop.optimizers, loop.schedulers)
         }
         loop.router = gradroute.Router(groups, static_graph=args.static_graph, skip_nonfinite=False)
-    fns = {"hand_cut": hand, "gradroute": routed}
+    fns = {"hand_cut": hand, "gradroute": floor if args.floor else routed}
     times = {name: {ph: [] for ph in PHASES} for name in loops}
     for k in range(args.warmup + args.steps):
         for name in ("hand_cut", "gradroute") if k % 2 else ("gradroute", "hand_cut"):
@@ -104,6 +133,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--static-graph", action="store_true")
     p.add_argument("--keep-nonfinite", action="store_true")
+    p.add_argument("--floor", action="store_true")
     p.add_argument("--processes", type=int, default=1)
     args = p.parse_args()
     if args.processes > 1:

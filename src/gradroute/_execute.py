@@ -168,12 +168,13 @@ def _swap_in(slot: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
 def undoable(routes: Sequence[Route]) -> bool:
     """Whether a failed routed backward of ``routes`` can be undone by setting every routed parameter's ``.grad``
     back to None (NOTE [Undoing a failed routed backward]); DDP and FSDP2 are the caller's to rule out."""
-    for r in routes:  # one C-level loop per attribute (host-bound loops); a hooks dict emptied again is no hook
-        if any(map(operator.is_not, map(_grad, r.params), repeat(None))) or any(map(_hooks, r.params)):
-            return False
-        if any(map(_post_hooks, r.params)):
-            return False
-    return True
+    # one C-level loop per attribute (host-bound loops); a hooks dict emptied again is no hook
+    return not any(
+        any(map(operator.is_not, map(_grad, r.params), repeat(None)))
+        or any(map(_hooks, r.params))
+        or any(map(_post_hooks, r.params))
+        for r in routes
+    )
 
 
 _grad, _hooks, _post_hooks = (operator.attrgetter(a) for a in grad_and_hooks_names)

@@ -1,14 +1,15 @@
 """The whole training iteration of ``gradroute bench --step``, phase by phase, in CPU time.
 
     python benchmarks/step_phases.py [--workload sd-tiny|gan] [--width 8 --batch-size 1] [--steps 200]
-                                     [--processes 3] [--static-graph] [--keep-nonfinite] [--floor]
+                                     [--processes 3] [--static-graph] [--skip-nonfinite] [--floor]
 
 The router's loop and the hand-written one (``gradroute.cli.bench.loops``: two fused AdamW, warmup+power
 schedulers, clipping at 1.0, no scaler in fp32) take turns iteration by iteration; each phase (forward, routed
 backward, step with zero_grad) is timed in CPU time of the calling thread, one torch thread, which other
 processes do not inflate. Prints the medians per phase and the ratio of the iteration's summed medians;
-``--processes N``: the median ratio over N processes. ``--keep-nonfinite``: the router with
-``skip_nonfinite=False`` (torch's behaviour, as the hand-written loop: no inf/NaN check before the step).
+``--processes N``: the median ratio over N processes. ``--skip-nonfinite``: the router with
+``skip_nonfinite=True`` (an inf/NaN check of each group's norm before the step, which the hand-written loop does
+not make).
 ``--floor``: instead of the router, the least this design does: the graph walk, the plan cache and the
 executor's engine calls (gradroute internals), then the hand-written loop's step; no loss checks, statistics,
 undo, non-finite skip or DDP checks. What the router costs above it is its guarantees and bookkeeping.
@@ -100,14 +101,14 @@ def run_once(args: argparse.Namespace) -> float:
         )
         for name in ("hand_cut", "gradroute")
     }
-    if args.keep_nonfinite:
+    if args.skip_nonfinite:
         loop = loops["gradroute"]
         names = (loop.wl.up_name, loop.wl.down_name)
         groups = {
             n: gradroute.Group(p, optimizer=o, scheduler=s, max_grad_norm=SETUP["max_grad_norm"])
             for n, p, o, s in zip(names, loop.params, loop.optimizers, loop.schedulers)
         }
-        loop.router = gradroute.Router(groups, static_graph=args.static_graph, skip_nonfinite=False)
+        loop.router = gradroute.Router(groups, static_graph=args.static_graph, skip_nonfinite=True)
     fns = {"hand_cut": hand, "gradroute": floor if args.floor else routed}
     times = {name: {ph: [] for ph in PHASES} for name in loops}
     for k in range(args.warmup + args.steps):
@@ -132,7 +133,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--static-graph", action="store_true")
-    p.add_argument("--keep-nonfinite", action="store_true")
+    p.add_argument("--skip-nonfinite", action="store_true")
     p.add_argument("--floor", action="store_true")
     p.add_argument("--processes", type=int, default=1)
     args = p.parse_args()

@@ -54,7 +54,7 @@ DOCTEST_EXAMPLES = {
     "CompileStats": 6,
     "GraphCounts": 5,
     "GraphFreedError": 5,
-    "GroupStats": 8,
+    "GroupStats": 9,
     "Plan": 5,
     "Group": 4,
     "PlanOptions": 4,

@@ -435,14 +435,15 @@ def test_step_twice_after_one_backward_fails() -> None:
 # ---------------------------------------------------------------------- non-finite gradients without a scaler
 
 
-def _nonfinite_run(skip: bool, max_norm: float | None) -> tuple[gradroute.Router, list[nn.Module]]:
+def _nonfinite_run(skip: bool | None, max_norm: float | None) -> tuple[gradroute.Router, list[nn.Module]]:
+    """``skip`` None: the router's default."""
     torch.manual_seed(0)
     a, b = nn.Linear(3, 3), nn.Linear(3, 3)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (a, b)]
     router = gradroute.Router(
         a=gradroute.Group(a, optimizer=opts[0], scheduler=warmup_power(opts[0], 2, 2.0, 10), max_grad_norm=max_norm),
         b=gradroute.Group(b, optimizer=opts[1], scheduler=warmup_power(opts[1], 2, 2.0, 10), max_grad_norm=max_norm),
-        skip_nonfinite=skip,
+        **({} if skip is None else {"skip_nonfinite": skip}),
     )
     x = torch.randn(2, 3)
     router.backward(a=a(x).sum(), b=b(x).sum())
@@ -477,7 +478,8 @@ def _fused_nonfinite_run(bad: float, dtype: torch.dtype) -> gradroute.Router:
     torch.manual_seed(0)
     a, b = nn.Linear(3, 3).to(dtype), nn.Linear(3, 3).to(dtype)
     opts = [torch.optim.AdamW(m.parameters(), lr=0.1, fused=True) for m in (a, b)]
-    router = gradroute.Router(a=gradroute.Group(a, optimizer=opts[0]), b=gradroute.Group(b, optimizer=opts[1]))
+    groups = {"a": gradroute.Group(a, optimizer=opts[0]), "b": gradroute.Group(b, optimizer=opts[1])}
+    router = gradroute.Router(groups, skip_nonfinite=True)
     x = torch.randn(2, 3, dtype=dtype)
     router.backward(a=a(x).sum(), b=b(x).sum())
     router.step()  # AdamW state exists
@@ -503,10 +505,11 @@ def test_nonfinite_gradient_skips_a_fused_optimizer_on_the_device(bad: float, dt
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("skip", [False, None])
 @pytest.mark.parametrize("max_norm", [None, 1.0])
-def test_skip_nonfinite_false_keeps_torchs_behaviour(max_norm: float | None) -> None:
-    router, _ = _nonfinite_run(False, max_norm)
-    ref, _ = _nonfinite_run(False, max_norm)
+def test_skip_nonfinite_false_and_the_default_keep_torchs_behaviour(max_norm: float | None, skip: bool | None) -> None:
+    router, _ = _nonfinite_run(skip, max_norm)
+    ref, _ = _nonfinite_run(skip, max_norm)
     stats = router.step()
     assert not stats["a"].skipped and stats["a"].skip_reason is None
     for g in ref.groups.values():

@@ -44,7 +44,8 @@ class Router:
             ``accelerator.sync_gradients`` is True; ``scaler`` and ``accumulate`` come from it
             (docs/integrations.md).
         skip_nonfinite: without an enabled scaler, a group whose gradient norm is inf/NaN is not stepped
-            (``skip_reason="nonfinite"``). ``False``: torch's behaviour.
+            (``skip_reason="nonfinite"``; with fused optimizers on the device, without a host sync). ``False``
+            (the default): torch's behaviour, every group is stepped; an enabled scaler skips either way.
         atomic_step: ``True``: a failed :meth:`step` is undone without copies, except an exception inside an
             optimizer's or scheduler's own ``step()``; ``"copy"`` undoes that too, at about 4x the parameters'
             bytes more memory during the step; ``False``: no undo (docs/training_step.md).
@@ -76,7 +77,7 @@ class Router:
         accumulate: int = 1,
         allow_unreached: bool | Iterable[str] = False,
         plan_options: PlanOptions | None = None,
-        skip_nonfinite: bool = True,
+        skip_nonfinite: bool = False,
         atomic_step: bool | str = True,
         accelerator: Any = None,
         autotune: bool | Autotune = True,

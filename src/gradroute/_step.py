@@ -79,20 +79,21 @@ class GroupStats:
         lr: the learning rate of the optimizer's first parameter group that this step used (read before the
             scheduler steps); on a micro-step, the one the coming real step will use.
         lrs: the same for every parameter group of the optimizer.
-        skipped: on a real step, the group's optimizer did not update: its gradients hold inf/NaN (found by
-            the ``GradScaler``, or, without one, a non-finite ``grad_norm``), or the group had no gradient at
-            all. Always ``False`` on an accumulation micro-step. The scheduler of a skipped group is not
-            stepped, except for an optimizer that skips on the device (fused Adam, AdamW, SGD: the host does
-            not know, and its scheduler steps, as in torch's AMP recipe).
+        skipped: on a real step, the group's optimizer did not update: its gradients hold inf/NaN (found by the
+            ``GradScaler``, or, without one and with ``skip_nonfinite=True``, a non-finite ``grad_norm``), or the group
+            had no gradient at all. Always ``False`` on an accumulation micro-step. The scheduler of a skipped group is
+            not stepped, except for an optimizer that skips on the device (fused Adam, AdamW, SGD: the host does not
+            know, and its scheduler steps, as in torch's AMP recipe).
         skip_reason: why it was skipped: ``"nonfinite"`` (inf/NaN gradients; without a scaler only with
-            ``Router(skip_nonfinite=True)``, the default) or ``"no_grad"`` (no loss reached the group since
+            ``Router(skip_nonfinite=True)``) or ``"no_grad"`` (no loss reached the group since
             the last step); ``None`` when not skipped.
 
     Examples:
         >>> import torch, gradroute
         >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
         >>> sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)
-        >>> router = gradroute.Router(a=gradroute.Group(a, optimizer=sgd(a)), b=gradroute.Group(b, optimizer=sgd(b)))
+        >>> groups = {"a": gradroute.Group(a, optimizer=sgd(a)), "b": gradroute.Group(b, optimizer=sgd(b))}
+        >>> router = gradroute.Router(groups, skip_nonfinite=True)
         >>> out = b(a(torch.ones(1, 2)))
         >>> router.backward(a=out.sum() * float("nan"), b=out.pow(2).sum())
         >>> stats = router.step()
@@ -235,7 +236,7 @@ class Stepper:
         *,
         scaler: Any = None,
         accumulate: int = 1,
-        skip_nonfinite: bool = True,
+        skip_nonfinite: bool = False,
         atomic_step: bool | str = True,
         window: Any = None,
     ) -> None:

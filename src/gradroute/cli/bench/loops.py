@@ -126,9 +126,7 @@ def make_loop(name: str, wl: Workload, dtype: str, *, scaler: bool, static_graph
             n: gradroute.Group(p, optimizer=o, scheduler=s, max_grad_norm=SETUP["max_grad_norm"])
             for n, p, o, s in zip((wl.up_name, wl.down_name), params, opts, scheds)
         }
-        # meta tensors hold no values: nothing to find non-finite (an unfused optimizer's check reads one per group)
-        skip = dev.type != "meta"
-        router = gradroute.Router(groups, scaler=grad_scaler, static_graph=static_graph, skip_nonfinite=skip)
+        router = gradroute.Router(groups, scaler=grad_scaler, static_graph=static_graph)
     kind = made[0][1] if made[0][1] == made[1][1] else f"{made[0][1]} / {made[1][1]}"
     return Loop(name, wl, dtype, grad_scaler, opts, scheds, params, router, kind)
 

@@ -203,8 +203,10 @@ class GradSync:
                 ``find_unused_parameters``) that synchronizes this backward and holds trainable parameters
                 the routed groups leave out (DDP would wait for their gradients).
         """
-        # wrapped after the router was built: the groups' modules once more; a wrapper whose forward is
-        # running: on every backward (one class attribute read)
+        if not self._ddp and _ddp_class() is None:
+            return  # no process group, none found: no wrapper can synchronize this backward
+        # wrapped after the router was built: the groups' modules once more (at the first backward with a
+        # process group); a wrapper whose forward is running: on every backward (one class attribute read)
         first = not self._rescanned
         self._scan(modules=first)
         self._rescanned = True

@@ -346,6 +346,22 @@ def test_ddp_not_named_and_not_reachable_is_said_once(one_process_group: None) -
         router.backward(losses(forward, *batch(1, 1)))  # once
 
 
+def test_ddp_not_named_is_said_at_the_first_backward_with_a_process_group(tmp_path) -> None:
+    """A router whose backwards began before the process group did looks for the wrappers once it exists."""
+    tenc, unet = nets()
+    router = gradroute.Router(tenc=tenc, unet=unet)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        router.backward(losses(lambda v: unet(tenc(v)), *batch(0, 1)))  # no process group: nothing to say
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        forward, _ = wrap("one_ddp", tenc, unet, static_graph=True)
+        with pytest.warns(UserWarning, match=r"no DistributedDataParallel wrapper"):
+            router.backward(losses(forward, *batch(1, 1)))
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------- the demo under torchrun
 
 

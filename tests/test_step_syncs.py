@@ -99,9 +99,13 @@ def count(fn: Callable[[], Any]) -> list[str]:
     return mode.reads
 
 
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
 @pytest.mark.parametrize("atomic_step", [True, False])
 @pytest.mark.parametrize("scaler", [True, False])
-def test_step_of_the_seed_setup_reads_no_more_than_the_hand_written_loop(scaler: bool, atomic_step: bool) -> None:
+def test_step_of_the_seed_setup_reads_no_more_than_the_hand_written_loop(
+    scaler: bool, atomic_step: bool, skip_nonfinite: bool
+) -> None:
+    """``skip_nonfinite=True`` without a scaler skips on the device through the fused optimizer's ``found_inf``."""
     tenc, unet, opts, scheds, amp = setup(fused=True, scaler=scaler)
     h_tenc, h_unet, h_opts, h_scheds, h_amp = setup(fused=True, scaler=scaler)
     router = gradroute.Router(
@@ -109,6 +113,7 @@ def test_step_of_the_seed_setup_reads_no_more_than_the_hand_written_loop(scaler:
         unet=gradroute.Group(unet, optimizer=opts[1], scheduler=scheds[1], max_grad_norm=1.0),
         scaler=amp,
         atomic_step=atomic_step,
+        skip_nonfinite=skip_nonfinite,
     )
     for step in range(3):  # the first step allocates the optimizers' state: count the third
         ours = count(routed_step(tenc, unet, router, step))

@@ -43,7 +43,11 @@ class FaultyAdamW(torch.optim.AdamW):
 
 
 class Run:
-    """Two chained layers, AdamW + a LambdaLR schedule + clipping each, hooks that reweight in place."""
+    """Two chained layers, AdamW + a LambdaLR schedule + clipping each, hooks that reweight in place.
+
+    ``scaler``: a GradScaler (``True``; ``"other"``: a scale that is not a power of two), none (``False``), or
+    none with ``skip_nonfinite=True`` (``"skip_nonfinite"``: a fused AdamW then skips on the device).
+    """
 
     def __init__(
         self,
@@ -73,9 +77,10 @@ class Run:
         kwargs = {"init_scale": 1000.0, "growth_factor": 1.5} if scaler == "other" else {"init_scale": 2.0**8}
         self.router = gradroute.Router(
             groups,
-            scaler=torch.amp.GradScaler("cpu", growth_interval=1, **kwargs) if scaler else None,
+            scaler=torch.amp.GradScaler("cpu", growth_interval=1, **kwargs) if scaler in (True, "other") else None,
             accumulate=accumulate,
             atomic_step=atomic_step,
+            skip_nonfinite=scaler == "skip_nonfinite",
         )
         self.batch = 0
 
@@ -122,7 +127,7 @@ CASES = (
 
 
 @pytest.mark.parametrize("interrupt", [False, True])
-@pytest.mark.parametrize("scaler", [False, True, "other"])
+@pytest.mark.parametrize("scaler", [False, "skip_nonfinite", True, "other"])
 @pytest.mark.parametrize(("atomic_step", "fault", "hooks", "fused"), CASES)
 def test_failed_step_changes_nothing_and_a_retry_steps_once(
     atomic_step: bool | str, fault: str, hooks: str, fused: bool, scaler: bool | str, interrupt: bool

@@ -234,6 +234,29 @@ def test_fsdp2_amp_inf_in_one_shard_skips_that_group_on_every_rank() -> None:
     launch_fsdp(_amp)
 
 
+def _skip_nonfinite(rank: int, world: int) -> None:
+    tenc, unet = nets(torch.float32)
+    forward = shard("per_network", tenc, unet)
+    router = gradroute.Router(
+        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
+        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
+        skip_nonfinite=True,
+    )
+    before = [full(p.detach()).clone() for p in unet.parameters()]
+    router.backward(losses(forward, *batch(0, world, rank, dtype=torch.float32)))
+    if rank == 0:  # an inf in rank 0's shard only: the group's norm is that of the whole gradient
+        with torch.no_grad():
+            unet[0].weight.grad.to_local().view(-1)[0] = float("inf")
+    stats = router.step()
+    assert gather((stats["tenc"].skipped, stats["unet"].skipped)) == [(False, True)] * world
+    for p, q in zip(unet.parameters(), before, strict=True):
+        torch.testing.assert_close(full(p.detach()), q, rtol=0, atol=0)
+
+
+def test_fsdp2_skip_nonfinite_without_scaler_skips_that_group_on_every_rank() -> None:
+    launch_fsdp(_skip_nonfinite)
+
+
 def test_live_params_of_plain_parameters_is_the_same_tuple() -> None:
     params = tuple(torch.nn.Linear(2, 2).parameters())
     assert live_params(params) is params

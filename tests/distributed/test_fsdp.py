@@ -8,6 +8,7 @@ the latter (``gradroute._distributed.live_params``) and FSDP2's hooks reduce-sca
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -43,9 +44,13 @@ CPU_ERRORS: dict[tuple[int, int], tuple[type[Exception], str]] = {
 }
 
 
-def launch_fsdp(fn: Callable[[int, int], None]) -> None:
-    """``launch(fn)`` where this torch's FSDP2 runs on the CPU; elsewhere, check the error FSDP2 gives there."""
-    launch(fn if FSDP2_ON_CPU else _fails_on_the_cpu)
+def launch_fsdp(fn: Callable[..., None], *args: Any) -> None:
+    """``launch(fn, *args)`` where this torch's FSDP2 runs on the CPU; elsewhere, check the error FSDP2 gives
+    there."""
+    if FSDP2_ON_CPU:
+        launch(fn, *args)
+    else:
+        launch(_fails_on_the_cpu)
 
 
 def _fails_on_the_cpu(rank: int, world: int) -> None:
@@ -209,14 +214,15 @@ def test_fsdp2_accumulation_and_step_match_reference() -> None:
     launch_fsdp(_step)
 
 
-def _amp(rank: int, world: int) -> None:
+def _inf_in_one_shard(rank: int, world: int, scaled: bool) -> None:
     tenc, unet = nets(torch.float32)
     forward = shard("per_network", tenc, unet)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaled else None
     router = gradroute.Router(
         tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
         unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
         scaler=scaler,
+        skip_nonfinite=not scaled,
     )
     before = [full(p.detach()).clone() for p in unet.parameters()]
     router.backward(losses(forward, *batch(0, world, rank, dtype=torch.float32)))
@@ -225,36 +231,16 @@ def _amp(rank: int, world: int) -> None:
             unet[0].weight.grad.to_local().view(-1)[0] = float("inf")
     stats = router.step()
     assert gather((stats["tenc"].skipped, stats["unet"].skipped)) == [(False, True)] * world
-    assert gather(float(scaler.get_scale())) == [2.0**7] * world
+    if scaler is not None:
+        assert gather(float(scaler.get_scale())) == [2.0**7] * world
     for p, q in zip(unet.parameters(), before, strict=True):
         torch.testing.assert_close(full(p.detach()), q, rtol=0, atol=0)
 
 
-def test_fsdp2_amp_inf_in_one_shard_skips_that_group_on_every_rank() -> None:
-    launch_fsdp(_amp)
-
-
-def _skip_nonfinite(rank: int, world: int) -> None:
-    tenc, unet = nets(torch.float32)
-    forward = shard("per_network", tenc, unet)
-    router = gradroute.Router(
-        tenc=gradroute.Group(tenc, optimizer=torch.optim.SGD(tenc.parameters(), lr=0.1)),
-        unet=gradroute.Group(unet, optimizer=torch.optim.SGD(unet.parameters(), lr=0.1)),
-        skip_nonfinite=True,
-    )
-    before = [full(p.detach()).clone() for p in unet.parameters()]
-    router.backward(losses(forward, *batch(0, world, rank, dtype=torch.float32)))
-    if rank == 0:  # an inf in rank 0's shard only: the group's norm is that of the whole gradient
-        with torch.no_grad():
-            unet[0].weight.grad.to_local().view(-1)[0] = float("inf")
-    stats = router.step()
-    assert gather((stats["tenc"].skipped, stats["unet"].skipped)) == [(False, True)] * world
-    for p, q in zip(unet.parameters(), before, strict=True):
-        torch.testing.assert_close(full(p.detach()), q, rtol=0, atol=0)
-
-
-def test_fsdp2_skip_nonfinite_without_scaler_skips_that_group_on_every_rank() -> None:
-    launch_fsdp(_skip_nonfinite)
+@pytest.mark.parametrize("scaled", [True, False], ids=["GradScaler", "skip_nonfinite"])
+def test_fsdp2_inf_in_one_shard_skips_that_group_on_every_rank(scaled: bool) -> None:
+    """With a GradScaler, or without one and ``skip_nonfinite=True``."""
+    launch_fsdp(_inf_in_one_shard, scaled)
 
 
 def test_live_params_of_plain_parameters_is_the_same_tuple() -> None:

@@ -45,8 +45,8 @@ def main() -> None:
     for options in plans:
         with fused_attention(True):
             router = gradroute.Router(**wl.groups, autotune=False, plan_options=options)
-            routes = router._routes(wl.forward()[1], {}, "plan")
-            program = router._program(routes, merge_shared=True)
+            routes = router._run.routes(wl.forward()[1], {}, "plan")
+            program, _ = router._run._program(routes, merge_shared=True)
         n, total = len(program.graph.nodes), reachable_per_call(program)
         print(
             f"{options}: {len(program.plan.calls)} engine calls, {n} nodes, reachable summed over the calls {total} "

@@ -47,7 +47,7 @@ def _time_plan(name: str, kind: str, repeats: int, baseline: Any, **build_kwargs
     plan = router.plan(**losses)
     miss, hit = [], []
     for _ in range(repeats):
-        router._cache.clear()
+        router._run._cache.clear()
         gc.collect()
         t0 = time.perf_counter()
         router.plan(**losses)
@@ -82,9 +82,9 @@ def _load_baseline(src: str) -> Any:
 def _against_baseline(label: str, router: Any, losses: dict, repeats: int, base_plan: Any) -> None:
     from gradroute._routing import CHECKPOINTS as _CHECKPOINTS
 
-    routes = router._routes(losses, {}, "plan")
+    routes = router._run.routes(losses, {}, "plan")
     options = router.plan_options
-    new_cache, old_cache = type(router._cache)(), base_plan.PlanCache()
+    new_cache, old_cache = type(router._run._cache)(), base_plan.PlanCache()
     old_checkpoints = base_plan.Checkpoints(segments=_CHECKPOINTS.segments, node_bytes=_CHECKPOINTS.node_bytes)
     times: dict[str, list[float]] = {"new miss": [], "new hit": [], "old miss": [], "old hit": []}
 

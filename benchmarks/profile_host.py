@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import gradroute
-from gradroute import _router
+from gradroute import _routing
 
 # (part, predicate on (file, function name)) for cProfile's own time; the first match wins
 PARTS: list[tuple[str, Callable[[str, str], bool]]] = [
@@ -42,7 +42,7 @@ PARTS: list[tuple[str, Callable[[str, str], bool]]] = [
     ("graph walk + signature", lambda f, n: f.endswith("_graph.py") and n in ("walk", "_topological")),
     ("plan cache lookup / planning", lambda f, n: "_plan" in f or "_planner" in f),
     ("autotune bookkeeping", lambda f, n: "_autotune" in f),
-    ("Router._program own time (the cycle collector runs here)", lambda f, n: n == "_program"),
+    ("Routing._program own time", lambda f, n: n == "_program"),
     (
         "router: loss checks, step bookkeeping",
         lambda f, n: f.endswith(("_router.py", "_routing.py", "_loss_checks.py", "_refusals.py", "_step.py")),
@@ -106,7 +106,7 @@ def _sum(r: Any) -> Callable[[], None]:
 def wall(r: Any, steps: int) -> dict[str, float]:
     """Medians (ms) of the backwards, interleaved, and the router's parts."""
     parts: dict[str, list[float]] = {"program": [], "execute": []}
-    real_program, real_execute = r.router._program, _router.execute
+    real_program, real_execute = r.router._run._program, _routing.execute
 
     def timed(fn: Callable, into: list[float]) -> Callable:
         def run(*a: Any, **k: Any) -> Any:
@@ -126,8 +126,8 @@ def wall(r: Any, steps: int) -> dict[str, float]:
         else:
             pause[0] += _clock() - pause[1]
 
-    r.router._program = timed(real_program, parts["program"])
-    _router.execute = timed(real_execute, parts["execute"])
+    r.router._run._program = timed(real_program, parts["program"])
+    _routing.execute = timed(real_execute, parts["execute"])
     gc.callbacks.append(collector)
     times: dict[str, list[float]] = {"routed": [], "cut": [], "sum": []}
     gc_routed: list[float] = []
@@ -143,8 +143,8 @@ def wall(r: Any, steps: int) -> dict[str, float]:
                 if name == "routed":
                     gc_routed.append(pause[0] - before)
     finally:
-        r.router._program = real_program
-        _router.execute = real_execute
+        r.router._run._program = real_program
+        _routing.execute = real_execute
         gc.callbacks.remove(collector)
     out = {f"{k} backward": statistics.median(v) * 1e3 for k, v in times.items()}
     # each step's routed and cut backwards ran next to each other (the same load): their ratio, step by step

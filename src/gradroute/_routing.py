@@ -92,17 +92,18 @@ class Routing:
     def backward(self, original: list[Route], routes: list[Route]) -> None:
         """Accumulate ``routes`` (``original`` scaled for the backward) into ``.grad``."""
         merged = routes if self._sharded else merge_same_losses(original, routes, self._merged)
-        if runs_plain(merged, distributed=self._distributed()):  # NOTE [One plain call without a walk]
+        distributed = self._distributed()  # asked once per backward
+        if runs_plain(merged, distributed=distributed):  # NOTE [One plain call without a walk]
             unreached_group = run_plain(merged[0], self._options.allow_unreached)
             if unreached_group is not None:
                 raise ValueError(unreached_message(unreached_group, self._groups))
             self._plain += 1
         else:
-            self._route(merged, accumulate=True)
+            self._route(merged, accumulate=True, distributed=distributed)
 
     def grads(self, routes: list[Route]) -> dict[str, tuple[torch.Tensor | None, ...]]:
         """Each route's gradients, ``.grad`` untouched."""
-        collected = self._route(routes, accumulate=False)
+        collected = self._route(routes, accumulate=False, distributed=self._distributed())
         return {r.name: tuple(collected[k].get(id(p)) for p in r.params) for k, r in enumerate(routes)}
 
     def plan(self, routes: list[Route]) -> Plan:
@@ -114,15 +115,15 @@ class Routing:
         others = {n: g.params for n, g in self._groups.items() if n not in named}
         return router_plan(program, others, cache=self._cache if self._static is None else None, tuner=self._tuner)
 
-    def _route(self, routes: list[Route], *, accumulate: bool) -> list[dict[int, torch.Tensor]]:
+    def _route(self, routes: list[Route], *, accumulate: bool, distributed: bool) -> list[dict[int, torch.Tensor]]:
         """Plan and run ``routes`` (:meth:`backward` accumulates and merges shared routes; :meth:`grads` collects
         each route's own gradients); a freed graph is refused with every ``.grad`` as it was (NOTE [Undoing a failed
-        routed backward])."""
+        routed backward]). ``distributed``: whether a DDP module holds any of the groups' parameters."""
         # a backward whose writes can be undone needs no freed probe (NOTE [Undoing a failed routed backward])
-        undo = accumulate and not self._sharded and not self._distributed() and undoable(routes)
+        undo = accumulate and not self._sharded and not distributed and undoable(routes)
         with self._lock:
             program, trial = self._program(
-                routes, merge_shared=accumulate, backward=True, probe=accumulate and not undo
+                routes, merge_shared=accumulate, backward=True, probe=accumulate and not undo, distributed=distributed
             )
             followed = program.graph.followed
         with trial:
@@ -141,18 +142,25 @@ class Routing:
                 raise
 
     def _program(
-        self, routes: list[Route], *, merge_shared: bool, backward: bool = False, probe: bool = True
+        self,
+        routes: list[Route],
+        *,
+        merge_shared: bool,
+        backward: bool = False,
+        probe: bool = True,
+        distributed: bool = False,
     ) -> tuple[Program, Any]:
         """The program for ``routes`` and the context to run it in (a trial of the measured choice, or nothing);
         ``backward``: for a routed backward (may follow a static graph's paths), not a :meth:`plan`; ``probe``:
-        look for freed nodes while walking. Called with ``_lock`` held."""
+        look for freed nodes while walking; ``distributed``: as for :meth:`_route` (read for a backward only).
+        Called with ``_lock`` held."""
         # FSDP2 reduce-scatters a module's gradients at the end of the first engine call that computes any of
         # them: keep each pass through it in one call
         fsdp2 = bool(self._sharded) and fsdp2_unsharded(routes, {n: g.params for n, g in self._groups.items()})
         options = dataclasses.replace(self._options.plan, interleave=False) if fsdp2 else self._options.plan
         # a static graph is followed once nothing is being measured, and never under DDP or FSDP2 (their hooks
         # expect the plan's parameters): NOTE [Static graphs] in _planner/follow.py
-        follow = backward and not (self._sharded or self._distributed() or self.measuring)
+        follow = backward and not (self._sharded or distributed or self.measuring)
         static = self._static if follow else None
 
         def make(options: PlanOptions, graph: Any = None) -> Program:
